@@ -1,0 +1,1 @@
+"""certchat's agent: configuration, paths, models, the chat engine and the CLI."""

@@ -1,0 +1,129 @@
+"""The ``certchat`` console script: parses arguments and dispatches; the work lives elsewhere."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+
+from agent import paths
+
+# Subcommand modules that add themselves with register(subparsers); optional ones may be
+# absent while their issue is open.
+_PLUGINS = ("agent.cli_log", "agent.cli_chat")
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from native import build  # noqa: PLC0415 — keep `certchat --help` fast
+
+    opts = build.BuildOptions(cache_dir=paths.native_dir(), cuda=args.cuda, cuda_arch=args.cuda_arch,
+                              jobs=args.jobs, quiet=args.quiet)
+    try:
+        build.build(opts)
+    except build.BuildError as err:
+        print(f"certchat build: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from agent import models  # noqa: PLC0415
+
+    rows = [
+        {"name": m.name, "present": models.is_pulled(m.name), "path": str(models.model_file(m.name)),
+         "size_mb": m.size_mb, "default": m.name == models.DEFAULT_MODEL, "description": m.description}
+        for m in models.REGISTRY.values()
+    ]
+    if args.json:
+        print(json.dumps({"models": rows}))
+        return 0
+    for row in rows:
+        mark = "*" if row["default"] else " "
+        state = "present   " if row["present"] else "not pulled"
+        print(f"{mark} {row['name']:<20} {state} {row['size_mb']:>4} MB  {row['description']}")
+    print("(* default; `certchat models pull NAME` installs one)")
+    return 0
+
+
+def _cmd_models_pull(args: argparse.Namespace) -> int:
+    from agent import models  # noqa: PLC0415
+
+    names = list(models.REGISTRY) if args.all else args.names or [models.DEFAULT_MODEL]
+    try:
+        for name in names:
+            print(models.pull(name))
+    except models.ModelError as err:
+        print(f"certchat models: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from agent import doctor  # noqa: PLC0415
+
+    data = doctor.report()
+    print(json.dumps(data) if args.json else doctor.render(data))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="certchat",
+        description="A terminal chat assistant that evicts most of its KV cache and knows when the eviction hurt.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("build", help="build the patched llama.cpp and the design core (cached by content hash)")
+    p.add_argument("--cuda", action="store_true", default=os.environ.get("CERTCHAT_CUDA") == "1",
+                   help="build the CUDA backend (also CERTCHAT_CUDA=1)")
+    p.add_argument("--cuda-arch", default=None, help="CUDA architecture, e.g. 90; detected when a GPU is present")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_build)
+
+    models_p = sub.add_parser("models", help="list or pull the offline models")
+    models_sub = models_p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    p = models_sub.add_parser("list", help="the models certchat can install offline")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_models_list)
+    p = models_sub.add_parser("pull", help="download, verify and store models (default: the default model)")
+    p.add_argument("names", nargs="*")
+    p.add_argument("--all", action="store_true", help="every model in the registry")
+    p.set_defaults(func=_cmd_models_pull)
+
+    p = sub.add_parser("doctor", help="versions, the loaded library and whether it carries our patch, paths")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_doctor)
+
+    for module_name in _PLUGINS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["main", "build_parser"]

@@ -1,0 +1,212 @@
+"""certchat's one typed configuration: TOML under the XDG config dir, flags override.
+
+Every field has a docstring (shown by ``certchat config --help``-style listings and the
+README); an invalid value raises :class:`ConfigError` whose one-line message names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from agent import paths
+
+POLICIES = ("full", "window", "topk", "random", "poisson")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the key."""
+
+
+@dataclass
+class Config:
+    """Settings for the engine, the eviction policy, the gate and the UI."""
+
+    model: str = "qwen2.5-coder-0.5b"
+    """Registry name (see `certchat models list`) or a path to any GGUF file."""
+    n_ctx: int = 8192
+    """KV cells allocated for the conversation (the hard ceiling of the cache)."""
+    n_batch: int = 512
+    """Tokens per llama_decode call during prefill."""
+    threads: int = field(default_factory=lambda: max(1, min(os.cpu_count() or 2, 8)))
+    """CPU threads for prefill and decode."""
+    gpu_layers: int = 0
+    """Layers offloaded to the GPU (needs a CUDA build; 0 = CPU only)."""
+    policy: str = "poisson"
+    """Eviction policy: full, window, topk, random or poisson."""
+    budget: str = "10%"
+    """KV budget: a token count ("1024") or a share of the history ("10%")."""
+    gate: str = "auto"
+    """Gate threshold τ on the turn's certificate, "off" to disable, or "auto" for the calibrated default."""
+    seed: int = 0
+    """Seed for sampling and for the Poisson draws (runs are replayable)."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy."""
+    top_k: int = 40
+    """Top-k cut-off when sampling with temperature > 0."""
+    top_p: float = 0.95
+    """Nucleus cut-off when sampling with temperature > 0."""
+    min_p: float = 0.05
+    """Min-p cut-off when sampling with temperature > 0."""
+    repeat_penalty: float = 1.0
+    """Repetition penalty (1.0 disables it)."""
+    max_tokens: int = 512
+    """Longest answer, in tokens."""
+    system_prompt: str = "You are a helpful assistant. Answer concisely."
+    """System message that starts every new conversation."""
+    sinks: int = 4
+    """Attention-sink tokens at the start that are never evicted."""
+    recent: int = 32
+    """Most recent tokens that are never evicted (the current message is always kept too)."""
+    theme: str = "textual-dark"
+    """Textual theme name for the chat UI."""
+    keys: dict[str, str] = field(default_factory=dict)
+    """Key binding overrides for the chat UI: binding id → key (e.g. {"new_chat" = "ctrl+n"})."""
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some fields changed and validated (flags override the file this way)."""
+        merged = dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+        merged.validate()
+        return merged
+
+    def validate(self) -> None:
+        if self.n_ctx < 256:
+            raise ConfigError(f"n_ctx: must be at least 256, got {self.n_ctx}")
+        if self.n_batch < 1:
+            raise ConfigError(f"n_batch: must be positive, got {self.n_batch}")
+        if self.threads < 1:
+            raise ConfigError(f"threads: must be positive, got {self.threads}")
+        if self.gpu_layers < 0:
+            raise ConfigError(f"gpu_layers: must be 0 or more, got {self.gpu_layers}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        parse_budget(self.budget)
+        parse_gate(self.gate)
+        if self.temperature < 0:
+            raise ConfigError(f"temperature: must be 0 or more, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ConfigError(f"min_p: must be in [0, 1), got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens: must be positive, got {self.max_tokens}")
+        if self.sinks < 0 or self.recent < 0:
+            raise ConfigError("sinks/recent: must be 0 or more")
+
+
+def parse_budget(value: str) -> tuple[str, float]:
+    """("share", 0.1) for "10%", ("tokens", 1024) for "1024"; ConfigError otherwise."""
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1]) / 100
+            if not 0 < share <= 1:
+                raise ValueError
+            return "share", share
+        tokens = int(text)
+        if tokens < 1:
+            raise ValueError
+        return "tokens", float(tokens)
+    except ValueError:
+        raise ConfigError(f"budget: expected a token count like 1024 or a share like 10%, got {value!r}") from None
+
+
+def parse_gate(value: str | float) -> float | None | str:
+    """A threshold (float ≥ 0), None for "off", or "auto"."""
+    text = str(value).strip().lower()
+    if text == "off":
+        return None
+    if text == "auto":
+        return "auto"
+    try:
+        tau = float(text)
+    except ValueError:
+        raise ConfigError(f"gate: expected a threshold like 0.3, 'auto' or 'off', got {value!r}") from None
+    if tau < 0:
+        raise ConfigError(f"gate: threshold must be 0 or more, got {value!r}")
+    return tau
+
+
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    raise ConfigError(f"{name}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__} {value!r}")
+
+
+def load(path: Path | None = None) -> Config:
+    """The config file merged over the defaults (a missing file means defaults)."""
+    path = path or paths.config_path()
+    config = Config()
+    if not path.exists():
+        return config
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    hints = get_type_hints(Config)
+    known = {f.name for f in fields(Config)}
+    for key, value in data.items():
+        if key not in known:
+            raise ConfigError(f"{key}: unknown setting in {path} (known: {', '.join(sorted(known))})")
+        setattr(config, key, _coerce(key, hints[key], value))
+    config.validate()
+    return config
+
+
+def save(config: Config, path: Path | None = None) -> Path:
+    """Write the settings that differ from the defaults (atomically)."""
+    path = path or paths.config_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    defaults = Config()
+    lines = ["# certchat settings (see README: Configuration)"]
+    for f in fields(Config):
+        value = getattr(config, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        lines.append(f"{f.name} = {_toml_value(value)}")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (parsed from this module's source), for help texts."""
+    import ast  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+
+    tree = ast.parse(inspect.getsource(Config))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
+    return docs

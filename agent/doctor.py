@@ -1,0 +1,97 @@
+"""`certchat doctor`: what is installed, what is loaded, and where everything lives."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import platform
+import sqlite3
+from typing import Any
+
+from agent import models, paths
+from native import runtime
+
+PATCH_MARKER = "llama_certchat_patch_version"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def report() -> dict[str, Any]:
+    """Everything doctor knows, as one JSON-able object."""
+    out: dict[str, Any] = {
+        "certchat": _version("certchat"),
+        "python": platform.python_version(),
+        "llama_cpp_python": _version("llama-cpp-python"),
+        "textual": _version("textual"),
+        "sqlite_utils": _version("sqlite-utils"),
+        "sqlite": sqlite3.sqlite_version,
+        "numpy": _version("numpy"),
+        "data_dir": str(paths.data_dir()),
+        "cache_dir": str(paths.cache_dir()),
+        "config_path": str(paths.config_path()),
+        "db_path": str(paths.db_path()),
+        "patched": False,
+        "patch_version": None,
+        "cuda": False,
+        "gpu_offload": False,
+        "library_path": None,
+        "core_library": None,
+        "core_cuda_library": None,
+        "errors": [],
+    }
+    out["models"] = {
+        name: {"present": models.is_pulled(name), "path": str(models.model_file(name))} for name in models.REGISTRY
+    }
+    try:
+        libs = runtime.built_libs()
+        out["cuda"] = libs.cuda
+        out["build_key"] = libs.key
+        llama_cpp = runtime.llama_cpp()
+        loaded = runtime.llama_cdll()
+        out["library_path"] = str(loaded._name)
+        marker = getattr(loaded, PATCH_MARKER, None)
+        if marker is not None:
+            marker.restype = ctypes.c_int32
+            marker.argtypes = []
+            out["patched"] = True
+            out["patch_version"] = int(marker())
+        out["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
+        for key, cuda in (("core_library", False), ("core_cuda_library", True)):
+            try:
+                out[key] = str(runtime.core_library_path(cuda))
+            except runtime.NativeNotBuilt:
+                pass
+    except (runtime.NativeNotBuilt, OSError) as err:
+        out["errors"].append(str(err))
+    return out
+
+
+def render(data: dict[str, Any]) -> str:
+    """Human-readable report."""
+    yes = {True: "yes", False: "no"}
+    lines = [
+        f"certchat {data['certchat']}  (Python {data['python']}, llama-cpp-python {data['llama_cpp_python']}, "
+        f"textual {data['textual']}, SQLite {data['sqlite']})",
+        f"llama.cpp library : {data['library_path'] or 'not loaded'}",
+        f"  carries our patch: {yes[data['patched']]}"
+        + (f" (patch version {data['patch_version']})" if data["patch_version"] is not None else ""),
+        f"  backend          : {'CUDA' if data['cuda'] else 'CPU'}",
+        f"design core       : {data['core_library'] or 'missing'}"
+        + (f"; CUDA variant {data['core_cuda_library']}" if data["core_cuda_library"] else ""),
+        "models:",
+    ]
+    for name, info in data["models"].items():
+        lines.append(f"  {name:<20} {'present' if info['present'] else 'not pulled'}  {info['path']}")
+    lines += [
+        f"data dir          : {data['data_dir']}",
+        f"cache dir         : {data['cache_dir']}",
+        f"config            : {data['config_path']}",
+        f"database          : {data['db_path']}",
+    ]
+    lines += [f"problem: {err}" for err in data["errors"]]
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""The inference engine: one model, one context, one sequence; prefill, sample, stream.
+
+Drives llama.cpp's low-level API through ``native.llama`` (the high-level ``Llama``
+class assumes contiguous positions, which eviction breaks). The engine mirrors what the
+KV cache holds — each live position's token and the message it belongs to — so that
+policies can choose what to evict and the gate can tell what is missing. It knows
+nothing of SQLite or the UI.
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from native import llama
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to load the model and size the context."""
+
+    model_path: Path
+    n_ctx: int = 8192
+    n_batch: int = 512
+    threads: int = 2
+    gpu_layers: int = 0
+
+
+@dataclass
+class CacheMirror:
+    """What the KV cache holds, position by position (kept sorted by position)."""
+
+    positions: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    segments: list[int] = field(default_factory=list)
+    """Index of the message each position belongs to (for per-turn retention and spans)."""
+
+    def append(self, tokens: list[int], start: int, segment: int) -> None:
+        self.positions.extend(range(start, start + len(tokens)))
+        self.tokens.extend(tokens)
+        self.segments.extend([segment] * len(tokens))
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Drop the positions where ``mask`` is False."""
+        idx = np.flatnonzero(mask)
+        self.positions = [self.positions[i] for i in idx]
+        self.tokens = [self.tokens[i] for i in idx]
+        self.segments = [self.segments[i] for i in idx]
+
+    def clear(self) -> None:
+        self.positions.clear()
+        self.tokens.clear()
+        self.segments.clear()
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+@dataclass
+class Generation:
+    """One generated answer."""
+
+    tokens: list[int]
+    text: str
+    stop: str
+    """"eog" (the model ended its turn), "max_tokens", "cancelled" or "hook" (a step hook asked to stop)."""
+    decode_ms: float
+    logprobs: list[float]
+    """Log-probability of each chosen token under the model (output confidence)."""
+
+    @property
+    def tok_per_s(self) -> float:
+        return 1000.0 * len(self.tokens) / self.decode_ms if self.decode_ms > 0 else 0.0
+
+
+class Engine:
+    """Prefill and decode for one conversation sequence."""
+
+    SEQ = 0
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.model = llama.Model(settings.model_path, n_gpu_layers=settings.gpu_layers)
+        self.info = self.model.info()
+        if self.info.is_recurrent:
+            raise llama.LlamaError(
+                f"{settings.model_path.name} is a recurrent model: it has no KV cache to evict; use a transformer model"
+            )
+        self.ctx = llama.Context(
+            self.model,
+            llama.ContextParams(n_ctx=settings.n_ctx, n_batch=settings.n_batch, n_ubatch=settings.n_batch,
+                                n_threads=settings.threads, flash_attn=False),
+        )
+        self.n_ctx = self.ctx.n_ctx()
+        self.batch = llama.Batch(settings.n_batch)
+        self.cache = CacheMirror()
+        self.next_pos = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def close(self) -> None:
+        """Free in dependency order: batch, context, model."""
+        self.batch.close()
+        self.ctx.close()
+        self.model.close()
+
+    # -- cache bookkeeping ---------------------------------------------------------------
+    @property
+    def live_cells(self) -> int:
+        return len(self.cache)
+
+    def free_cells(self) -> int:
+        return self.n_ctx - len(self.cache)
+
+    def reset(self) -> None:
+        """Empty the KV cache (a new conversation, or a full re-prefill)."""
+        self.ctx.clear()
+        self.cache.clear()
+        self.next_pos = 0
+
+    # -- prefill ---------------------------------------------------------------------------
+    def feed(self, tokens: list[int], segment: int, logits_last: bool = True,
+             cancel: threading.Event | None = None) -> float:
+        """Decode ``tokens`` at the next positions (teacher-forced); returns milliseconds."""
+        if not tokens:
+            return 0.0
+        if len(tokens) > self.free_cells():
+            raise llama.KVCacheFull(
+                f"{len(tokens)} tokens do not fit in the {self.free_cells()} free KV cells (n_ctx={self.n_ctx})", 1)
+        start = time.perf_counter()
+        n_batch = self.settings.n_batch
+        for offset in range(0, len(tokens), n_batch):
+            if cancel is not None and cancel.is_set():
+                raise InterruptedError("prefill cancelled")
+            chunk = tokens[offset:offset + n_batch]
+            last_chunk = offset + n_batch >= len(tokens)
+            positions = list(range(self.next_pos, self.next_pos + len(chunk)))
+            self.batch.set(chunk, positions, self.SEQ, logits="last" if (logits_last and last_chunk) else "none")
+            self.ctx.decode(self.batch)
+            self.cache.append(chunk, self.next_pos, segment)
+            self.next_pos += len(chunk)
+        return (time.perf_counter() - start) * 1000.0
+
+    # -- decode ----------------------------------------------------------------------------
+    def generate(
+        self,
+        sampler: llama.Sampler,
+        max_tokens: int,
+        segment: int,
+        cancel: threading.Event | None = None,
+        on_text: Callable[[str], None] | None = None,
+        step_hook: Callable[[int], bool] | None = None,
+    ) -> Generation:
+        """Sample until end-of-generation, ``max_tokens``, cancel, or ``step_hook`` returning False.
+
+        Every sampled token except the end-of-generation one is fed back, so the cache
+        holds exactly the answer's tokens when this returns.
+        """
+        self._decoder.reset()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        pieces: list[str] = []
+        stop = "max_tokens"
+        start = time.perf_counter()
+        for step in range(max_tokens):
+            if cancel is not None and cancel.is_set():
+                stop = "cancelled"
+                break
+            logits = self.ctx.logits(-1)
+            token = sampler.sample(self.ctx, -1)
+            logprobs.append(_log_softmax_at(logits, token))
+            if self.model.is_eog(token):
+                stop = "eog"
+                break
+            if self.free_cells() < 1:
+                stop = "max_tokens"
+                break
+            tokens.append(token)
+            piece = self._decoder.decode(self.model.token_to_piece(token))
+            if piece:
+                pieces.append(piece)
+                if on_text is not None:
+                    on_text(piece)
+            self.batch.set([token], [self.next_pos], self.SEQ, logits="last")
+            self.ctx.decode(self.batch)
+            self.cache.append([token], self.next_pos, segment)
+            self.next_pos += 1
+            if step_hook is not None and not step_hook(step):
+                stop = "hook"
+                break
+        tail = self._decoder.decode(b"", final=True)
+        if tail:
+            pieces.append(tail)
+            if on_text is not None:
+                on_text(tail)
+        return Generation(tokens=tokens, text="".join(pieces), stop=stop,
+                          decode_ms=(time.perf_counter() - start) * 1000.0, logprobs=logprobs)
+
+
+def _log_softmax_at(logits: np.ndarray, index: int) -> float:
+    top = float(np.max(logits))
+    return float(logits[index] - top - np.log(np.sum(np.exp(logits - top))))

@@ -1,0 +1,411 @@
+"""Owning wrappers over llama.cpp's low-level C API: Model, Context, Batch, Sampler.
+
+Layered like llama-cpp-python's ``_internals.py``: the ctypes declarations come from
+``llama_cpp`` (bound to our patched library by ``native.runtime``); each wrapper owns one
+C object, frees it exactly once, keeps whatever it depends on alive (a Context holds its
+Model, so the model is freed last), and turns failure codes into Python exceptions with
+messages that say what went wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from native import runtime
+
+log = logging.getLogger("certchat.llama")
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_log_callback: Any = None  # the CFUNCTYPE object must outlive every llama.cpp call
+
+
+class LlamaError(RuntimeError):
+    """Base class for errors raised by the llama.cpp wrappers."""
+
+
+class ModelLoadError(LlamaError):
+    """llama.cpp could not load a model file."""
+
+
+class ContextError(LlamaError):
+    """llama.cpp could not create a context (usually: not enough memory for n_ctx)."""
+
+
+class DecodeError(LlamaError):
+    """llama_decode failed; ``code`` is its return value."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class KVCacheFull(DecodeError):
+    """No free KV cells for the batch (llama_decode returned 1)."""
+
+
+def lib() -> Any:
+    """The ``llama_cpp`` module bound to the patched library, with the backend initialised."""
+    global _backend_ready, _log_callback
+    llama_cpp = runtime.llama_cpp()
+    with _backend_lock:
+        if not _backend_ready:
+            _log_callback = llama_cpp.llama_log_callback(_route_log)
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+    return llama_cpp
+
+
+# ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line.
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR, 5: logging.DEBUG}
+
+
+def _route_log(level: int, text: bytes, _user: Any) -> None:
+    # llama.cpp writes model-loading chatter to stderr by default; inside a TUI that would
+    # corrupt the screen, so everything goes through Python logging instead.
+    try:
+        message = text.decode("utf-8", errors="replace").rstrip()
+    except Exception:  # never raise through a C callback
+        return
+    if message:
+        log.log(_LEVELS.get(level, logging.DEBUG), message)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shape facts the engine and the patch need."""
+
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd: int
+    n_swa: int
+    n_ctx_train: int
+    n_vocab: int
+    is_recurrent: bool
+    is_hybrid: bool
+    description: str
+
+
+class Model:
+    """A loaded GGUF model (weights + vocabulary)."""
+
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False) -> None:
+        self._lib = lib()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        params = self._lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
+        handle = self._lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not handle:
+            raise ModelLoadError(f"llama.cpp could not load {self.path} (unsupported architecture or damaged file)")
+        self._handle: Any = handle
+        self._vocab = self._lib.llama_model_get_vocab(handle)
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise LlamaError("the model was closed")
+        return self._handle
+
+    @property
+    def vocab(self) -> Any:
+        return self._vocab
+
+    def close(self) -> None:
+        """Free the model; safe to call twice."""
+        if getattr(self, "_handle", None) is not None:
+            self._lib.llama_model_free(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def info(self) -> ModelInfo:
+        lc, h = self._lib, self.handle
+        desc = ctypes.create_string_buffer(256)
+        lc.llama_model_desc(h, desc, 256)
+        return ModelInfo(
+            n_layer=lc.llama_model_n_layer(h),
+            n_head=lc.llama_model_n_head(h),
+            n_head_kv=lc.llama_model_n_head_kv(h),
+            n_embd=lc.llama_model_n_embd(h),
+            n_swa=lc.llama_model_n_swa(h),
+            n_ctx_train=lc.llama_model_n_ctx_train(h),
+            n_vocab=lc.llama_vocab_n_tokens(self._vocab),
+            is_recurrent=bool(lc.llama_model_is_recurrent(h)),
+            is_hybrid=bool(lc.llama_model_is_hybrid(h)),
+            description=desc.value.decode("utf-8", errors="replace"),
+        )
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None."""
+        buf = ctypes.create_string_buffer(4096)
+        n = self._lib.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            self._lib.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        """The GGUF's default Jinja chat template, if it has one."""
+        raw = self._lib.llama_model_chat_template(self.handle, None)
+        return raw.decode("utf-8", errors="replace") if raw else None
+
+    # -- vocabulary -----------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (ctypes.c_int32 * cap)()
+        n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (ctypes.c_int32 * cap)()
+            n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise LlamaError(f"tokenization failed for a text of {len(data)} bytes")
+        return list(buf[:n])
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The raw bytes of one token (may be part of a UTF-8 sequence)."""
+        buf = ctypes.create_string_buffer(64)
+        n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        return b"".join(self.token_to_piece(t, special) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def bos(self) -> int:
+        return int(self._lib.llama_vocab_bos(self._vocab))
+
+    def eos(self) -> int:
+        return int(self._lib.llama_vocab_eos(self._vocab))
+
+    def adds_bos(self) -> bool:
+        return bool(self._lib.llama_vocab_get_add_bos(self._vocab))
+
+
+class Batch:
+    """A reusable llama_batch of token ids for one sequence."""
+
+    def __init__(self, capacity: int) -> None:
+        self._lib = lib()
+        if capacity <= 0:
+            raise ValueError("batch capacity must be positive")
+        self.capacity = capacity
+        self._batch: Any = self._lib.llama_batch_init(capacity, 0, 1)
+        self._live = True
+
+    @property
+    def raw(self) -> Any:
+        return self._batch
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self._batch.n_tokens)
+
+    def set(self, tokens: Sequence[int], positions: Sequence[int], seq_id: int = 0,
+            logits: str | Sequence[bool] = "last") -> None:
+        """Fill the batch. ``logits``: "last", "all", "none" or one flag per token."""
+        n = len(tokens)
+        if n > self.capacity:
+            raise ValueError(f"{n} tokens exceed the batch capacity {self.capacity}")
+        if len(positions) != n:
+            raise ValueError("tokens and positions differ in length")
+        b = self._batch
+        for i in range(n):
+            b.token[i] = int(tokens[i])
+            b.pos[i] = int(positions[i])
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq_id
+            if logits == "last":
+                b.logits[i] = 1 if i == n - 1 else 0
+            elif logits == "all":
+                b.logits[i] = 1
+            elif logits == "none":
+                b.logits[i] = 0
+            else:
+                b.logits[i] = 1 if logits[i] else 0  # type: ignore[index]
+        b.n_tokens = n
+
+    def close(self) -> None:
+        if getattr(self, "_live", False):
+            self._lib.llama_batch_free(self._batch)
+            self._live = False
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """The knobs certchat sets on a llama.cpp context."""
+
+    n_ctx: int = 4096
+    """Allocated KV cells."""
+    n_batch: int = 512
+    """Largest batch one llama_decode call takes."""
+    n_ubatch: int = 512
+    """Physical micro-batch."""
+    n_threads: int = 2
+    """CPU threads for decode and prefill."""
+    flash_attn: bool = False
+    """Flash attention; must stay off while certificates are computed."""
+    swa_full: bool = True
+    """Full-size sliding-window cache (llama.cpp's default)."""
+
+
+class Context:
+    """An inference context (KV cache + compute graph) on a Model."""
+
+    def __init__(self, model: Model, params: ContextParams) -> None:
+        self._lib = lib()
+        self.model = model  # keeps the model alive for as long as the context
+        self.params = params
+        cp = self._lib.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = min(params.n_ubatch, params.n_batch)
+        cp.n_seq_max = 1
+        cp.n_threads = params.n_threads
+        cp.n_threads_batch = params.n_threads
+        # The C default is AUTO (-1); certificates need it explicitly off.
+        cp.flash_attn_type = 1 if params.flash_attn else 0
+        cp.swa_full = params.swa_full
+        cp.no_perf = True
+        handle = self._lib.llama_init_from_model(model.handle, cp)
+        if not handle:
+            raise ContextError(
+                f"llama.cpp could not create a context with n_ctx={params.n_ctx} (out of memory? try a smaller --n-ctx)"
+            )
+        self._handle: Any = handle
+        self._memory = self._lib.llama_get_memory(handle)
+        self.n_vocab = model.info().n_vocab
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise LlamaError("the context was closed")
+        return self._handle
+
+    @property
+    def memory(self) -> Any:
+        return self._memory
+
+    def close(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            self._lib.llama_free(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def n_ctx(self) -> int:
+        return int(self._lib.llama_n_ctx(self.handle))
+
+    def decode(self, batch: Batch) -> None:
+        code = int(self._lib.llama_decode(self.handle, batch.raw))
+        if code == 0:
+            return
+        if code == 1:
+            raise KVCacheFull("no free KV cells for this batch: evict, or raise --n-ctx", code)
+        if code == 2:
+            raise DecodeError("decoding was aborted", code)
+        if code == -1:
+            raise DecodeError("invalid batch (positions must continue the sequence; tokens must be in the vocabulary)",
+                              code)
+        raise DecodeError(f"llama_decode failed with code {code}", code)
+
+    def logits(self, index: int = -1) -> np.ndarray:
+        """A copy of the logits of output row ``index`` (-1: the last one)."""
+        ptr = self._lib.llama_get_logits_ith(self.handle, index)
+        if not ptr:
+            raise LlamaError(f"no logits for output row {index} (was logits requested for that token?)")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    # -- KV memory --------------------------------------------------------------------
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """Remove positions [p0, p1) of a sequence (-1 = open end)."""
+        return bool(self._lib.llama_memory_seq_rm(self._memory, seq_id, p0, p1))
+
+    def seq_pos_min(self, seq_id: int = 0) -> int:
+        return int(self._lib.llama_memory_seq_pos_min(self._memory, seq_id))
+
+    def seq_pos_max(self, seq_id: int = 0) -> int:
+        return int(self._lib.llama_memory_seq_pos_max(self._memory, seq_id))
+
+    def clear(self) -> None:
+        self._lib.llama_memory_clear(self._memory, True)
+
+
+@dataclass(frozen=True)
+class SamplerParams:
+    """How the next token is chosen."""
+
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    """1.0 disables the repetition penalty."""
+    repeat_last_n: int = 64
+    seed: int = 0
+
+
+class Sampler:
+    """A llama.cpp sampler chain built from SamplerParams."""
+
+    def __init__(self, params: SamplerParams, n_vocab: int) -> None:
+        self._lib = lc = lib()
+        self.params = params
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if params.repeat_penalty != 1.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(
+                n_vocab, params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
+        if params.temperature <= 0.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        else:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(params.top_k))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(params.top_p, 1))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(params.min_p, 1))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(params.temperature))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
+        self._chain: Any = chain
+
+    def sample(self, ctx: Context, index: int = -1) -> int:
+        """Choose (and accept) the next token from output row ``index``."""
+        return int(self._lib.llama_sampler_sample(self._chain, ctx.handle, index))
+
+    def accept(self, token: int) -> None:
+        """Feed a token the sampler did not choose (history for the repetition penalty)."""
+        self._lib.llama_sampler_accept(self._chain, token)
+
+    def reset(self) -> None:
+        self._lib.llama_sampler_reset(self._chain)
+
+    def close(self) -> None:
+        if getattr(self, "_chain", None) is not None:
+            self._lib.llama_sampler_free(self._chain)
+            self._chain = None
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""Locate the native libraries the last successful build produced, and load them.
+
+``native.build`` writes ``native/_built.json`` (git-ignored) after every successful
+build; this module reads it. ``CERTCHAT_NATIVE_LIB_DIR`` overrides it with one directory
+that holds ``libllama.so`` (and the ggml libraries) plus ``libcertchat_core.so`` —
+useful while developing a patch by hand.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+POINTER_FILE = Path(__file__).with_name("_built.json")
+
+
+class NativeNotBuilt(RuntimeError):
+    """The patched libraries are missing: run the set-up (``certchat build``)."""
+
+
+@dataclass(frozen=True)
+class BuiltLibs:
+    """Where the last build put its outputs."""
+
+    lib_dir: Path
+    """Directory holding libllama.so, the ggml libraries and libcertchat_core*.so."""
+    cuda: bool
+    """True when the llama.cpp build includes the CUDA backend."""
+    key: str
+    """Content hash the build was keyed by (sdist, patches, flags, compiler)."""
+
+
+def built_libs() -> BuiltLibs:
+    """The libraries to load, or a clear error saying how to build them."""
+    override = os.environ.get("CERTCHAT_NATIVE_LIB_DIR")
+    if override:
+        return BuiltLibs(lib_dir=Path(override), cuda=False, key="override")
+    if not POINTER_FILE.exists():
+        raise NativeNotBuilt(
+            "the patched llama.cpp is not built yet: run `certchat build` (or the README's set-up command)"
+        )
+    data = json.loads(POINTER_FILE.read_text())
+    lib_dir = Path(data["lib_dir"])
+    if not (lib_dir / "libllama.so").exists():
+        raise NativeNotBuilt(f"{lib_dir}/libllama.so is missing: run `certchat build` to rebuild it")
+    return BuiltLibs(lib_dir=lib_dir, cuda=bool(data.get("cuda")), key=str(data.get("key", "")))
+
+
+def core_library_path(cuda: bool = False) -> Path:
+    """Path of our own design-core library (the CUDA variant when ``cuda``)."""
+    name = "libcertchat_core_cuda.so" if cuda else "libcertchat_core.so"
+    path = built_libs().lib_dir / name
+    if not path.exists():
+        hint = " (CUDA variant: build with CERTCHAT_CUDA=1 and nvcc present)" if cuda else ""
+        raise NativeNotBuilt(f"{path} is missing{hint}: run `certchat build`")
+    return path
+
+
+@cache
+def load_core(cuda: bool = False) -> ctypes.CDLL:
+    """Load the design-core library once per process."""
+    return ctypes.CDLL(str(core_library_path(cuda)))
+
+
+def llama_cpp() -> ModuleType:
+    """Import ``llama_cpp`` bound to the patched library.
+
+    ``LLAMA_CPP_LIB_PATH`` is read by llama_cpp at import time, so it must be set before
+    the first import anywhere in the process.
+    """
+    if "llama_cpp" in sys.modules:
+        return sys.modules["llama_cpp"]
+    libs = built_libs()
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(libs.lib_dir)
+    import llama_cpp  # noqa: PLC0415 — must follow the env assignment above
+
+    return llama_cpp
+
+
+def llama_cdll() -> ctypes.CDLL:
+    """The CDLL that llama_cpp actually opened (to check its path and our extra symbols)."""
+    llama_cpp()
+    return sys.modules["llama_cpp.llama_cpp"]._lib

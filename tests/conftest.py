@@ -1,0 +1,66 @@
+"""Shared fixtures: an isolated data/config dir per test run, and the real models.
+
+The native build and the models live in the user's cache dir (set up by ./setup.sh
+test); everything a test writes (database, config) goes to a temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from agent import models
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    base = tmp_path_factory.mktemp("certchat-home")
+    monkeypatch.setenv("CERTCHAT_DATA_DIR", str(base / "data"))
+    monkeypatch.setenv("CERTCHAT_CONFIG", str(base / "config.toml"))
+    monkeypatch.delenv("CERTCHAT_DB", raising=False)
+    yield
+
+
+def _model(name: str) -> Path:
+    override = os.environ.get("CERTCHAT_TEST_MODEL") if name == "smollm2-135m" else None
+    if override:
+        return Path(override)
+    # ./setup.sh test pulls these; pulling here keeps a bare `pytest` honest rather than skipped.
+    return models.model_file(name) if models.is_pulled(name) else models.pull(name)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Callable[[str], Path]:
+    """``model_path("smollm2-135m")`` → path of a verified registry model."""
+    return _model
+
+
+@pytest.fixture(scope="session")
+def small_model() -> Path:
+    """The fast test model (SmolLM2-135M-Instruct Q4_1)."""
+    return _model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def has_gpu() -> bool:
+    """True when a CUDA device is usable by the built library."""
+    from native import llama
+
+    try:
+        return bool(llama.lib().llama_supports_gpu_offload()) and _cuda_device_count() > 0
+    except Exception:
+        return False
+
+
+def _cuda_device_count() -> int:
+    import ctypes
+
+    try:
+        cudart = ctypes.CDLL("libcudart.so")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    return count.value if cudart.cudaGetDeviceCount(ctypes.byref(count)) == 0 else 0
