@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from agent import logs  # noqa: PLC0415
+
+    logs.configure()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -1,0 +1,169 @@
+"""`certchat chat | ask | repl`: the conversational commands and their common flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from agent import events as ev
+from agent import config as config_mod
+from agent import models, paths
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    """Flags every conversational command shares; each overrides the config file."""
+    p.add_argument("--model", help="registry name or path to a GGUF file")
+    p.add_argument("--policy", choices=config_mod.POLICIES)
+    p.add_argument("--budget", help="KV budget: tokens (1024) or share of the history (10%%)")
+    p.add_argument("--gate", help="gate threshold τ, 'auto' or 'off'")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-tokens", type=int, dest="max_tokens")
+    p.add_argument("--n-ctx", type=int, dest="n_ctx")
+    p.add_argument("--gpu-layers", type=int, dest="gpu_layers")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--db", type=Path, help="conversation database (default: under the data dir)")
+
+
+def config_from_args(args: argparse.Namespace) -> config_mod.Config:
+    cfg = config_mod.load()
+    keys = ("model", "policy", "budget", "gate", "seed", "temperature", "max_tokens", "n_ctx", "gpu_layers", "threads")
+    return cfg.replace(**{k: getattr(args, k, None) for k in keys})
+
+
+def open_session(cfg: config_mod.Config, db: Path | None, conversation_id: int | None) -> Any:
+    """Load the model and the log, and bind them into a ChatSession."""
+    from agent.engine import Engine, EngineSettings  # noqa: PLC0415 — loads llama.cpp
+    from agent.session import ChatSession  # noqa: PLC0415
+    from memory_store.store import Store  # noqa: PLC0415
+
+    model_path = models.resolve(cfg.model)
+    store = Store(db or paths.db_path())
+    engine = Engine(EngineSettings(model_path=model_path, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, threads=cfg.threads,
+                                   gpu_layers=cfg.gpu_layers))
+    name = cfg.model if cfg.model in models.REGISTRY else model_path.name
+    return ChatSession(cfg, store, engine, name, conversation_id=conversation_id)
+
+
+def _print_event(event: ev.Event) -> None:
+    if isinstance(event, ev.TextDelta):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+    elif isinstance(event, ev.GateFired):
+        print(f"\n[gate: certificate {event.value:.3f} ≥ τ {event.threshold:.3f} — re-read "
+              f"{event.reprefill_tokens} tokens of history]", file=sys.stderr)
+    elif isinstance(event, ev.Regenerating):
+        print("\n[answer discarded after a mid-answer gate breach; answering again from the full history]",
+              file=sys.stderr)
+    elif isinstance(event, ev.Notice):
+        print(f"\n[{event.level}] {event.text}", file=sys.stderr)
+
+
+def _cmd_ask(args: argparse.Namespace) -> int:
+    from agent.session import InputError  # noqa: PLC0415
+
+    cfg = config_from_args(args)
+    text = " ".join(args.text) if args.text else sys.stdin.read()
+    if not text.strip():
+        print("certchat ask: empty message; pass the text as arguments or on stdin", file=sys.stderr)
+        return 2
+    session = open_session(cfg, args.db, None if args.new else args.conversation)
+    sink = (lambda e: None) if args.json else _print_event
+    try:
+        result = session.send(text, on_event=sink)
+    except InputError as err:
+        print(f"certchat ask: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.as_json()))
+    else:
+        print()
+    return 0
+
+
+def _cmd_repl(args: argparse.Namespace) -> int:
+    from agent.session import InputError  # noqa: PLC0415
+
+    cfg = config_from_args(args)
+    session = open_session(cfg, args.db, args.conversation)
+    tty = sys.stdin.isatty()
+    if tty:
+        print(f"certchat — conversation {session.conversation_id}, policy {cfg.policy}, budget {cfg.budget}. "
+              "Ctrl-D quits, Ctrl-C stops an answer.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> " if tty else "")
+        except EOFError:
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        cancel = threading.Event()
+        try:
+            result = session.send(line, on_event=_print_event, cancel=cancel)
+            print()
+            if tty:
+                cert = f"{result.certificate:.3f}" if result.certificate is not None else "—"
+                print(f"  [{result.live_cells}/{result.allocated_cells} cells, cert {cert}, "
+                      f"{result.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+        except InputError as err:
+            print(f"certchat: {err}", file=sys.stderr)
+        except KeyboardInterrupt:
+            # Ctrl-C mid-answer: the partial answer is already in the log, marked interrupted.
+            cancel.set()
+            print("\n[stopped]", file=sys.stderr)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    try:
+        from tui import app  # noqa: PLC0415
+    except ImportError:
+        return _cmd_repl(args)
+    return app.run(cfg, conversation_id=args.conversation, db=args.db)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="open the chat (Textual UI)")
+    add_common_flags(p)
+    p.add_argument("--conversation", type=int, help="continue a logged conversation")
+    p.set_defaults(func=_guard(_cmd_chat))
+
+    p = sub.add_parser("ask", help="run one turn and stream the answer to stdout")
+    add_common_flags(p)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--new", action="store_true", help="start a new conversation (default)")
+    group.add_argument("--conversation", type=int, help="continue a logged conversation")
+    p.add_argument("--json", action="store_true", help="end with one JSON object describing the turn")
+    p.add_argument("text", nargs="*")
+    p.set_defaults(func=_guard(_cmd_ask))
+
+    p = sub.add_parser("repl", help="plain line-mode chat, for pipes and terminals without a TUI")
+    add_common_flags(p)
+    p.add_argument("--conversation", type=int, help="continue a logged conversation")
+    p.set_defaults(func=_guard(_cmd_repl))
+
+
+def _guard(func: Any) -> Any:
+    """Turn the known failure kinds into one-line errors instead of tracebacks."""
+
+    def run(args: argparse.Namespace) -> int:
+        from memory_store.errors import StoreError  # noqa: PLC0415
+        from native.llama import LlamaError  # noqa: PLC0415
+        from native.runtime import NativeNotBuilt  # noqa: PLC0415
+        from agent.template import TemplateError  # noqa: PLC0415
+
+        try:
+            return int(func(args) or 0)
+        except (config_mod.ConfigError, models.ModelError, StoreError, LlamaError, NativeNotBuilt,
+                TemplateError) as err:
+            print(f"certchat {args.command}: {err}", file=sys.stderr)
+            return 1
+
+    return run

@@ -1,0 +1,132 @@
+"""Messages the agent emits during a turn; the UI and the CLI render them.
+
+The UI never reaches into the engine: everything it shows (streamed text, gate events,
+the memory view) arrives as one of these immutable records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+
+@dataclass(frozen=True)
+class TurnStarted:
+    conversation_id: int
+    user_message_id: int
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The new suffix of the prompt went into the cache."""
+
+    tokens: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """An eviction round brought the cache back to its budget."""
+
+    round: int
+    cells_before: int
+    cells_after: int
+    budget_cells: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class CertificateRead:
+    """A certificate value the gate looked at (phase: "question" or "answer")."""
+
+    phase: str
+    value: float
+    threshold: float | None
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class GateFired:
+    """The gate re-read evicted history from the log ("re-read N tokens of history")."""
+
+    phase: str
+    value: float
+    threshold: float
+    reprefill_tokens: int
+    truncated: bool = False
+    """True when the history exceeded n_ctx and only the system prompt + the most recent part fit."""
+
+
+@dataclass(frozen=True)
+class Regenerating:
+    """A mid-answer breach: what was streamed so far is discarded and the answer restarts."""
+
+    discarded_chars: int
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know (level: info, warning, error)."""
+
+    text: str
+    level: str = "info"
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    """What the model still remembers, for the memory panel."""
+
+    model: str
+    policy: str
+    budget_cells: int | None
+    live_cells: int
+    allocated_cells: int
+    retained: list[tuple[int, str, float]] = field(default_factory=list)
+    """(message index, role, share of its tokens still in the cache) for every earlier message."""
+    certificates: list[tuple[int, float | None, bool]] = field(default_factory=list)
+    """(turn number, turn certificate, gate fired) for every answered turn."""
+    gate_threshold: float | None = None
+    tok_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """Everything measured about one answered turn (also what `ask --json` prints)."""
+
+    conversation_id: int
+    user_message_id: int
+    assistant_message_id: int | None
+    answer: str
+    stop: str
+    policy: str
+    budget_cells: int | None
+    live_cells: int
+    allocated_cells: int
+    certificate: float | None
+    certificate_detail: dict[str, Any]
+    gate_threshold: float | None
+    gate_fired: bool
+    reprefill_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    decode_tok_s: float
+    answer_tokens: int
+    logprob_mean: float | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class TurnFinished:
+    result: TurnResult
+    memory: MemoryView
+
+
+Event = Union[TurnStarted, Prefilled, Evicted, CertificateRead, GateFired, Regenerating, TextDelta, Notice,
+              TurnFinished]

@@ -1,0 +1,334 @@
+"""The turn protocol: log → prefill → evict → certificate → gate → answer → log.
+
+One ``ChatSession`` drives one conversation at a time on one engine:
+
+1. the user's message is committed to the SQLite log before the model sees it;
+2. the template suffix it adds is tokenized and prefilled (its exact token ids and first
+   position go to the log);
+3. the cache manager evicts down to the budget (question-aware: after the question is in
+   the cache, so its attention decides what matters) and reads the question-window
+   certificate;
+4. if the gate statistic reaches τ, the whole history is re-prefilled from the log's
+   exact token ids and the answer comes from the full context;
+5. the answer streams into the log (partial → complete / interrupted); per-step
+   certificates feed the running maximum; the turn's measurements are recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from agent import events as ev
+from agent.config import Config, parse_budget
+from agent.engine import Engine, Generation
+from agent.memory import CacheManager, GateDecision
+from agent.template import ChatTemplate, Message as TemplateMessage, strip_bos
+from memory_store.records import Turn
+from memory_store.store import Store
+from native import llama
+
+EventSink = Callable[[ev.Event], None]
+
+
+class InputError(ValueError):
+    """The user's input cannot be answered as it is (the message says why and what to do)."""
+
+
+def _ignore(_: ev.Event) -> None:
+    return None
+
+
+@dataclass
+class _Segment:
+    """One message as the model saw it (the template renders these)."""
+
+    index: int
+    role: str
+    content: str
+
+
+class ChatSession:
+    """A conversation bound to an engine, a store and a cache manager."""
+
+    def __init__(self, config: Config, store: Store, engine: Engine, model_name: str,
+                 conversation_id: int | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.engine = engine
+        self.model_name = model_name
+        self.template = ChatTemplate.for_model(engine.model)
+        self.memory = CacheManager(engine, config)
+        self.sampler = llama.Sampler(self._sampler_params(), engine.info.n_vocab)
+        self._segments: list[_Segment] = []
+        self._turn_certs: list[tuple[int, float | None, bool]] = []
+        self._last_tok_s: float | None = None
+        self.conversation_id = -1
+        if conversation_id is None:
+            self.new_conversation()
+        else:
+            self.open(conversation_id)
+
+    # -- settings ----------------------------------------------------------------------------
+    def _sampler_params(self) -> llama.SamplerParams:
+        c = self.config
+        return llama.SamplerParams(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, min_p=c.min_p,
+                                   repeat_penalty=c.repeat_penalty, seed=c.seed)
+
+    def reconfigure(self, **changes: object) -> None:
+        """Change policy, budget, gate or sampling for the next turns (validated)."""
+        self.config = self.config.replace(**changes)
+        self.memory.reconfigure(self.config)
+        self.sampler.close()
+        self.sampler = llama.Sampler(self._sampler_params(), self.engine.info.n_vocab)
+
+    # -- conversations -------------------------------------------------------------------------
+    def new_conversation(self, title: str = "New chat") -> int:
+        conv = self.store.create_conversation(title=title, model=self.model_name,
+                                              settings={"policy": self.config.policy, "budget": self.config.budget})
+        self.conversation_id = conv.id
+        self.engine.reset()
+        self.memory.reset()
+        self._segments = []
+        self._turn_certs = []
+        if self.config.system_prompt:
+            msg = self.store.append_message(conv.id, "system", self.config.system_prompt)
+            text = self.template.render([{"role": "system", "content": self.config.system_prompt}],
+                                        add_generation_prompt=False)
+            tokens = self._tokenize(text, first=True)
+            first = self.engine.next_pos
+            self.engine.feed(tokens, segment=msg.index, logits_last=False)
+            self.store.set_message_tokens(msg.id, tokens, first)
+            self._segments.append(_Segment(msg.index, "system", self.config.system_prompt))
+        return conv.id
+
+    def open(self, conversation_id: int) -> None:
+        """Continue a logged conversation: its exact tokens are re-prefilled, then evicted to budget."""
+        self.store.get_conversation(conversation_id)
+        self.conversation_id = conversation_id
+        self.engine.reset()
+        self.memory.reset()
+        self._segments = []
+        self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired) for i, t in enumerate(self.store.turns(conversation_id))]
+        self._reprefill_from_log()
+        self.memory.evict(protect_from=self.engine.next_pos, round_hint=0)
+
+    # -- the turn ------------------------------------------------------------------------------
+    def send(self, text: str, on_event: EventSink = _ignore, cancel: threading.Event | None = None) -> ev.TurnResult:
+        """Answer one user message; events stream to ``on_event`` from this thread."""
+        user = self.store.append_user_message(self.conversation_id, text)  # committed before the model sees it
+        on_event(ev.TurnStarted(self.conversation_id, user.id))
+        seg = _Segment(user.index, "user", text)
+        suffix = self.template.user_suffix(self._rendered(), {"role": "user", "content": text}) \
+            if self._segments else self.template.render([{"role": "user", "content": text}], True)
+        tokens = self._tokenize(suffix, first=not self._segments)
+        room = self.engine.n_ctx - self.config.max_tokens - 16
+        if len(tokens) > room:
+            self.store.set_message_status(user.id, "complete")
+            raise InputError(
+                f"your message is {len(tokens)} tokens but the context has room for {room} "
+                f"(n_ctx {self.engine.n_ctx} minus {self.config.max_tokens} for the answer): shorten it or "
+                "raise --n-ctx; it was saved to the log")
+        self._make_room(len(tokens) + self.config.max_tokens + 16, on_event)
+
+        first_pos = self.engine.next_pos
+        prefill_ms = self.engine.feed(tokens, segment=user.index, cancel=cancel)
+        self.store.set_message_tokens(user.id, tokens, first_pos)
+        self._segments.append(seg)
+        on_event(ev.Prefilled(len(tokens), prefill_ms))
+
+        started = time.perf_counter()
+        evicted = self.memory.evict(protect_from=first_pos, round_hint=None, conversation_id=self.conversation_id,
+                                    store=self.store, message_id=user.id)
+        if evicted is not None:
+            on_event(ev.Evicted(evicted.round, evicted.cells_before, evicted.cells_after, evicted.budget_cells,
+                                (time.perf_counter() - started) * 1000.0))
+
+        reprefill_tokens = 0
+        gate_fired = False
+        decision = self.memory.question_gate()
+        if decision.value is not None:
+            on_event(ev.CertificateRead("question", decision.value, decision.threshold))
+        if decision.fire:
+            reprefill_tokens = self._gate_reprefill(decision, "question", on_event)
+            gate_fired = True
+
+        gen, stream, regen_tokens, fired_mid = self._answer(on_event, cancel, allow_gate=not gate_fired)
+        reprefill_tokens += regen_tokens
+        gate_fired = gate_fired or fired_mid
+        answer_msg = self._close_answer(gen, stream)
+
+        stat = self.memory.turn_statistic()
+        self._turn_certs.append((len(self._turn_certs) + 1, stat, gate_fired))
+        self._last_tok_s = gen.tok_per_s
+        result = ev.TurnResult(
+            conversation_id=self.conversation_id, user_message_id=user.id, assistant_message_id=answer_msg,
+            answer=gen.text, stop=gen.stop, policy=self.config.policy, budget_cells=self.memory.budget_cells(),
+            live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, certificate=stat,
+            certificate_detail=self.memory.turn_detail(), gate_threshold=self.memory.threshold(),
+            gate_fired=gate_fired, reprefill_tokens=reprefill_tokens, prefill_ms=prefill_ms,
+            decode_ms=gen.decode_ms, decode_tok_s=gen.tok_per_s, answer_tokens=len(gen.tokens),
+            logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None,
+        )
+        self._record_turn(result, answer_msg)
+        on_event(ev.TurnFinished(result, self.memory_view()))
+        return result
+
+    def _answer(self, on_event: EventSink, cancel: threading.Event | None,
+                allow_gate: bool) -> tuple[Generation, object, int, bool]:
+        """Generate (and on a mid-answer breach, re-prefill and regenerate from the start)."""
+        reprefill = 0
+        fired = False
+        self.sampler.reset()
+        while True:
+            stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos)
+            index = stream.index
+            self.memory.begin_answer()
+            breach: list[GateDecision] = []
+
+            def on_text(piece: str) -> None:
+                stream.append(piece)
+                on_event(ev.TextDelta(piece))
+
+            def step_hook(step: int) -> bool:
+                decision = self.memory.step_gate()
+                if allow_gate and decision.fire:
+                    breach.append(decision)
+                    return False
+                return True
+
+            gen = self.engine.generate(self.sampler, self.config.max_tokens, segment=index, cancel=cancel,
+                                       on_text=on_text, step_hook=step_hook)
+            if not breach:
+                return gen, stream, reprefill, fired
+            # Mid-answer breach: drop what was streamed, re-read the history, answer again.
+            stream.cancel()
+            self.store.set_message_status(stream.message_id, "interrupted")
+            on_event(ev.Regenerating(len(gen.text)))
+            reprefill += self._gate_reprefill(breach[0], "answer", on_event)
+            fired = True
+            allow_gate = False
+            self.sampler.reset()
+
+    def _close_answer(self, gen: Generation, stream: object) -> int:
+        from memory_store.stream import AssistantStream  # noqa: PLC0415
+
+        assert isinstance(stream, AssistantStream)
+        closing = self.template.assistant_closing(self._rendered(), gen.text)
+        closing_tokens = self._tokenize(closing, first=False)
+        # The closing text belongs to the answer's message; it is fed, not sampled.
+        if closing_tokens and self.engine.free_cells() >= len(closing_tokens):
+            self.engine.feed(closing_tokens, segment=stream.index, logits_last=False)
+        stream.append("", tokens=list(gen.tokens) + closing_tokens)
+        if gen.stop == "cancelled":
+            stream.cancel()
+        else:
+            stream.finish()
+        self._segments.append(_Segment(stream.index, "assistant", gen.text))
+        return stream.message_id
+
+    # -- gate and re-prefill -----------------------------------------------------------------
+    def _gate_reprefill(self, decision: GateDecision, phase: str, on_event: EventSink) -> int:
+        """Re-read the history from the log into a fresh cache; returns tokens re-prefilled."""
+        tokens, truncated = self._reprefill_from_log()
+        assert decision.value is not None and decision.threshold is not None
+        on_event(ev.GateFired(phase, decision.value, decision.threshold, tokens, truncated))
+        if truncated:
+            on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
+                               "recent messages that fit", "warning"))
+        return tokens
+
+    def _reprefill_from_log(self) -> tuple[int, bool]:
+        """Clear the cache and prefill the logged messages' exact token ids (the newest that fit)."""
+        history = self.store.history(self.conversation_id)
+        msgs = [m for m in history.messages if m.tokens is not None and len(m.tokens) > 0]
+        room = self.engine.n_ctx - self.config.max_tokens - 16
+        chosen = list(msgs)
+        truncated = False
+        total = sum(len(m.tokens) for m in chosen)  # type: ignore[arg-type]
+        if total > room:
+            truncated = True
+            head = [m for m in msgs[:1] if m.role == "system"]
+            budget = room - sum(len(m.tokens) for m in head)  # type: ignore[arg-type]
+            tail: list = []
+            for m in reversed(msgs[len(head):]):
+                if len(m.tokens) > budget:  # type: ignore[arg-type]
+                    break
+                tail.insert(0, m)
+                budget -= len(m.tokens)  # type: ignore[arg-type]
+            # A truncated history must still start at a user turn for the template to hold.
+            while tail and tail[0].role == "assistant":
+                tail.pop(0)
+            chosen = head + tail
+        self.engine.reset()
+        self.memory.reset_cache_state()
+        fed = 0
+        for m in chosen:
+            toks = [int(t) for t in m.tokens]  # type: ignore[union-attr]
+            self.engine.feed(toks, segment=m.index, logits_last=m is chosen[-1])
+            fed += len(toks)
+        self._segments = [_Segment(m.index, m.role, m.content) for m in chosen]
+        return fed, truncated
+
+    def _make_room(self, needed: int, on_event: EventSink) -> None:
+        """Guarantee ``needed`` free cells: evict (any policy) or, for `full`, drop the oldest history."""
+        if self.engine.free_cells() >= needed:
+            return
+        freed = self.memory.make_room(needed)
+        if not freed:
+            on_event(ev.Notice("the context is full: keeping the system prompt and the most recent messages", "warning"))
+            self._reprefill_from_log()
+
+    # -- helpers --------------------------------------------------------------------------
+    def _rendered(self) -> list[TemplateMessage]:
+        return [{"role": s.role, "content": s.content} for s in self._segments]
+
+    def _tokenize(self, text: str, first: bool) -> list[int]:
+        model = self.engine.model
+        if first and model.adds_bos():
+            text = strip_bos(text, self.template.bos_token)
+            return [model.bos(), *model.tokenize(text, add_special=False, parse_special=True)]
+        return model.tokenize(text, add_special=False, parse_special=True)
+
+    def _record_turn(self, result: ev.TurnResult, answer_msg: int) -> None:
+        detail = result.certificate_detail
+        self.store.record_turn(Turn(
+            conversation_id=self.conversation_id, message_id=answer_msg, policy=result.policy,
+            budget=float(result.budget_cells) if result.budget_cells is not None else None,
+            allocated_cells=result.allocated_cells, live_cells=result.live_cells,
+            cert_stats={k: float(v) for k, v in detail.items() if isinstance(v, (int, float)) and v is not None},
+            cert_layers=detail.get("per_layer", []) if isinstance(detail.get("per_layer"), list) else [],
+            gate_stat=result.certificate, gate_threshold=result.gate_threshold, gate_fired=result.gate_fired,
+            reprefill_tokens=result.reprefill_tokens, decode_tokens=result.answer_tokens,
+            prefill_s=result.prefill_ms / 1000.0, decode_s=result.decode_ms / 1000.0,
+            tokens_per_s=result.decode_tok_s, seed=self.config.seed,
+            extra={"stop": result.stop, "logprob_mean": result.logprob_mean, "budget": self.config.budget},
+        ))
+
+    def memory_view(self) -> ev.MemoryView:
+        retained = self.memory.retained_by_message({s.index: s.role for s in self._segments},
+                                                   self._message_lengths())
+        return ev.MemoryView(
+            model=self.model_name, policy=self.config.policy, budget_cells=self.memory.budget_cells(),
+            live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, retained=retained,
+            certificates=list(self._turn_certs), gate_threshold=self.memory.threshold(), tok_per_s=self._last_tok_s,
+        )
+
+    def _message_lengths(self) -> dict[int, int]:
+        return {m.index: len(m.tokens) for m in self.store.messages(self.conversation_id)
+                if m.tokens is not None}
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+def budget_cells(budget: str, history_tokens: int) -> int:
+    """Cells the budget allows for a history of ``history_tokens`` tokens."""
+    kind, value = parse_budget(budget)
+    if kind == "tokens":
+        return int(value)
+    return max(1, int(round(value * history_tokens)))

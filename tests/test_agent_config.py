@@ -1,0 +1,51 @@
+"""The typed config: TOML file, flag overrides, one-line errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent import config
+
+
+def test_defaults_without_a_file(tmp_path: Path) -> None:
+    cfg = config.load(tmp_path / "missing.toml")
+    assert cfg.policy == "poisson" and cfg.budget == "10%"
+
+
+def test_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('policy = "topk"\nbudget = "25%"\nthreads = 3\nkeys = { new_chat = "ctrl+n" }\n')
+    cfg = config.load(path)
+    assert (cfg.policy, cfg.budget, cfg.threads, cfg.keys) == ("topk", "25%", 3, {"new_chat": "ctrl+n"})
+    cfg2 = cfg.replace(policy="window", budget=None)
+    assert cfg2.policy == "window" and cfg2.budget == "25%"
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [('policy = "lru"', "policy"), ('budget = "ten"', "budget"), ("threads = 0", "threads"),
+     ('gate = "sometimes"', "gate"), ("n_ctx = 12", "n_ctx"), ('colour = "blue"', "colour"),
+     ('temperature = "hot"', "temperature")],
+)
+def test_invalid_values_name_the_key(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(config.ConfigError) as err:
+        config.load(path)
+    message = str(err.value)
+    assert message.startswith(key) and "\n" not in message
+
+
+def test_save_round_trips(tmp_path: Path) -> None:
+    cfg = config.Config(policy="topk", budget="1024", gate="0.25", keys={"help": "f1"})
+    path = config.save(cfg, tmp_path / "c.toml")
+    assert config.load(path) == cfg
+
+
+def test_budget_and_gate_parsing() -> None:
+    assert config.parse_budget("10%") == ("share", 0.1)
+    assert config.parse_budget("1024") == ("tokens", 1024.0)
+    assert config.parse_gate("off") is None and config.parse_gate("0.3") == 0.3
+    assert set(config.field_docs()) >= {"policy", "budget", "gate", "model"}
