@@ -62,6 +62,17 @@ class CacheMirror:
         return len(self.positions)
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """A saved sequence state plus the mirror that describes it."""
+
+    state: bytes
+    positions: list[int]
+    tokens: list[int]
+    segments: list[int]
+    next_pos: int
+
+
 @dataclass
 class Generation:
     """One generated answer."""
@@ -116,6 +127,24 @@ class Engine:
 
     def free_cells(self) -> int:
         return self.n_ctx - len(self.cache)
+
+    def snapshot(self) -> "EngineSnapshot":
+        """Everything needed to come back to this exact cache (for independent probes)."""
+        return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
+                              list(self.cache.segments), self.next_pos)
+
+    def restore(self, snap: "EngineSnapshot") -> None:
+        self.ctx.set_seq_state(snap.state, self.SEQ)
+        self.cache = CacheMirror(list(snap.positions), list(snap.tokens), list(snap.segments))
+        self.next_pos = snap.next_pos
+
+    def truncate(self, pos: int) -> None:
+        """Forget every position ≥ ``pos`` (the newest tokens), so decoding resumes at ``pos``."""
+        if not self.ctx.seq_rm(self.SEQ, pos, -1):
+            raise llama.LlamaError(f"could not remove positions from {pos} on")
+        keep = np.asarray(self.cache.positions, dtype=np.int64) < pos
+        self.cache.keep(keep)
+        self.next_pos = pos
 
     def reset(self) -> None:
         """Empty the KV cache (a new conversation, or a full re-prefill)."""

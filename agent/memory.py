@@ -70,6 +70,13 @@ class CacheManager:
         """The cache was cleared and is being re-prefilled (biases are gone with it)."""
         self._turn = _TurnCerts()
 
+    def snapshot(self) -> Any:
+        """Bookkeeping to restore after an independent probe."""
+        return (self.round, self._peak_history)
+
+    def restore(self, snap: Any) -> None:
+        self.round, self._peak_history = snap
+
     # -- budget ----------------------------------------------------------------------------
     def history_tokens(self) -> int:
         """Tokens the conversation has fed so far (live or evicted)."""

@@ -113,14 +113,29 @@ class ChatSession:
         self.engine.reset()
         self.memory.reset()
         self._segments = []
-        self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired) for i, t in enumerate(self.store.turns(conversation_id))]
+        self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired)
+                            for i, t in enumerate(self.store.turns(conversation_id))]
         self._reprefill_from_log()
         self.memory.evict(protect_from=self.engine.next_pos, round_hint=0)
 
     # -- the turn ------------------------------------------------------------------------------
-    def send(self, text: str, on_event: EventSink = _ignore, cancel: threading.Event | None = None) -> ev.TurnResult:
-        """Answer one user message; events stream to ``on_event`` from this thread."""
-        user = self.store.append_user_message(self.conversation_id, text)  # committed before the model sees it
+    def send(self, text: str, on_event: EventSink = _ignore, cancel: threading.Event | None = None,
+             forced_answer: str | None = None, independent: bool = False,
+             history_answer: str | None = None) -> ev.TurnResult:
+        """Answer one user message; events stream to ``on_event`` from this thread.
+
+        ``forced_answer``: teacher forcing for replays — this text enters the history as the
+        answer instead of a generated one (eviction, certificate and gate still run).
+        ``independent``: answer from the current state, then put the cache back as it was
+        and mark both messages discarded, so later turns never see them.
+        ``history_answer``: generate (and report) the answer, then replace it in the cache and
+        the log with this text, so every policy continues from the same history.
+        """
+        snapshot = (self.engine.snapshot(), self.memory.snapshot(), list(self._segments),
+                    list(self._turn_certs)) if independent else None
+        meta = {"discarded": True} if independent else None
+        # committed before the model sees it
+        user = self.store.append_user_message(self.conversation_id, text, meta=meta)
         on_event(ev.TurnStarted(self.conversation_id, user.id))
         seg = _Segment(user.index, "user", text)
         suffix = self.template.user_suffix(self._rendered(), {"role": "user", "content": text}) \
@@ -157,10 +172,14 @@ class ChatSession:
             reprefill_tokens = self._gate_reprefill(decision, "question", on_event)
             gate_fired = True
 
-        gen, stream, regen_tokens, fired_mid = self._answer(on_event, cancel, allow_gate=not gate_fired)
-        reprefill_tokens += regen_tokens
-        gate_fired = gate_fired or fired_mid
-        answer_msg = self._close_answer(gen, stream)
+        if forced_answer is not None:
+            gen, answer_msg = self._forced(forced_answer, meta)
+        else:
+            gen, stream, regen_tokens, fired_mid = self._answer(on_event, cancel, allow_gate=not gate_fired,
+                                                                meta=meta)
+            reprefill_tokens += regen_tokens
+            gate_fired = gate_fired or fired_mid
+            answer_msg = self._close_answer(gen, stream)
 
         stat = self.memory.turn_statistic()
         self._turn_certs.append((len(self._turn_certs) + 1, stat, gate_fired))
@@ -175,17 +194,49 @@ class ChatSession:
             logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None,
         )
         self._record_turn(result, answer_msg)
+        if history_answer is not None and forced_answer is None and snapshot is None:
+            self._replace_last_answer(history_answer, answer_msg)
+        if snapshot is not None:
+            engine_snap, memory_snap, segments, certs = snapshot
+            self.engine.restore(engine_snap)
+            self.memory.restore(memory_snap)
+            self._segments, self._turn_certs = segments, certs
         on_event(ev.TurnFinished(result, self.memory_view()))
         return result
 
+    def _replace_last_answer(self, text: str, message_id: int) -> None:
+        """Swap the generated answer (the newest cells) for ``text`` in the cache and the log."""
+        generated = self.store.get_message(message_id)
+        first = int(generated.first_pos) if generated.first_pos is not None else self.engine.next_pos
+        self.engine.truncate(first)
+        self.store.update_message_meta(message_id, {"discarded": True, "replaced": True})
+        self._segments.pop()
+        self._forced(text, None)
+
+    def _forced(self, text: str, meta: dict | None) -> tuple[Generation, int]:
+        """Feed a given answer as if generated (replays are teacher-forced)."""
+        index = self.store.messages(self.conversation_id)[-1].index + 1
+        first = self.engine.next_pos
+        tokens = self._tokenize(text, first=False)
+        closing = self._tokenize(self.template.assistant_closing(self._rendered(), text), first=False)
+        started = time.perf_counter()
+        self.engine.feed(tokens + closing, segment=index, logits_last=False)
+        msg = self.store.append_message(self.conversation_id, "assistant", text, tokens=tokens + closing,
+                                        first_pos=first, meta={**(meta or {}), "forced": True})
+        assert msg.index == index
+        self._segments.append(_Segment(msg.index, "assistant", text))
+        gen = Generation(tokens=tokens, text=text, stop="forced",
+                         decode_ms=(time.perf_counter() - started) * 1000.0, logprobs=[])
+        return gen, msg.id
+
     def _answer(self, on_event: EventSink, cancel: threading.Event | None,
-                allow_gate: bool) -> tuple[Generation, object, int, bool]:
+                allow_gate: bool, meta: dict | None = None) -> tuple[Generation, object, int, bool]:
         """Generate (and on a mid-answer breach, re-prefill and regenerate from the start)."""
         reprefill = 0
         fired = False
         self.sampler.reset()
         while True:
-            stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos)
+            stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos, meta=meta)
             index = stream.index
             self.memory.begin_answer()
             breach: list[GateDecision] = []
@@ -245,7 +296,8 @@ class ChatSession:
     def _reprefill_from_log(self) -> tuple[int, bool]:
         """Clear the cache and prefill the logged messages' exact token ids (the newest that fit)."""
         history = self.store.history(self.conversation_id)
-        msgs = [m for m in history.messages if m.tokens is not None and len(m.tokens) > 0]
+        msgs = [m for m in history.messages
+                if m.tokens is not None and len(m.tokens) > 0 and not m.meta.get("discarded")]
         room = self.engine.n_ctx - self.config.max_tokens - 16
         chosen = list(msgs)
         truncated = False

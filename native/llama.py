@@ -355,6 +355,22 @@ class Context:
     def clear(self) -> None:
         self._lib.llama_memory_clear(self._memory, True)
 
+    def seq_state(self, seq_id: int = 0) -> bytes:
+        """The sequence's KV state (cells, positions, K/V) as bytes."""
+        size = int(self._lib.llama_state_seq_get_size(self.handle, seq_id))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(self._lib.llama_state_seq_get_data(self.handle, buf, size, seq_id))
+        if written != size:
+            raise LlamaError(f"saving the sequence state wrote {written} of {size} bytes")
+        return bytes(buf)
+
+    def set_seq_state(self, data: bytes, seq_id: int = 0) -> None:
+        """Replace the sequence with a state from :meth:`seq_state` (the sequence is cleared first)."""
+        self.seq_rm(seq_id, -1, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(self._lib.llama_state_seq_set_data(self.handle, buf, len(data), seq_id)) == 0:
+            raise LlamaError("restoring the sequence state failed (no room in the KV cache?)")
+
 
 @dataclass(frozen=True)
 class SamplerParams:

@@ -114,3 +114,21 @@ def test_non_gguf_model_is_a_clear_error(tmp_path: Path) -> None:
     bad.write_bytes(b"\x00" * 100)
     with pytest.raises(models.ModelError, match="not a GGUF"):
         models.resolve(str(bad))
+
+
+def test_forced_answer_and_independent_probe(engine: Engine, tmp_path: Path) -> None:
+    s = _session(engine, tmp_path)
+    r = s.send("My locker code is 4172.", forced_answer="Noted: your locker code is 4172.")
+    assert r.answer == "Noted: your locker code is 4172." and r.stop == "forced"
+    before = (list(engine.cache.tokens), list(engine.cache.positions), engine.next_pos)
+    probe = s.send("What is my locker code?", independent=True)
+    assert probe.answer
+    assert (engine.cache.tokens, engine.cache.positions, engine.next_pos) == before
+    # The discarded probe is logged but never re-read into the cache.
+    msgs = s.store.messages(s.conversation_id)
+    assert [m.meta.get("discarded", False) for m in msgs[-2:]] == [True, True]
+    after = s.send("Thanks!")
+    assert after.answer
+    s2 = ChatSession(s.config, s.store, engine, "smollm2-135m", conversation_id=s.conversation_id)
+    assert "What is my locker code?" not in engine.model.detokenize(engine.cache.tokens, special=True)
+    assert s2.conversation_id == s.conversation_id
