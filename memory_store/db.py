@@ -1,0 +1,179 @@
+"""Opening the SQLite file: path checks, pragmas, corruption detection.
+
+Nothing here writes to a file before it is known to be a healthy SQLite
+database: a foreign, damaged or non-SQLite file at the path is reported in one
+line that names it and is never overwritten. The connection runs in driver
+autocommit mode (``isolation_level=None``); writers open their own
+``BEGIN IMMEDIATE`` transactions so that two processes never deadlock on a
+read-to-write upgrade (which SQLite answers with SQLITE_BUSY at once, without
+waiting for ``busy_timeout``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+from memory_store.errors import (
+    CorruptDatabaseError,
+    DatabaseMissingError,
+    StoreError,
+)
+
+# Long enough to ride out another process's commit of a 1 MB message or a
+# migration; short enough that a wedged peer surfaces as an error, not a hang.
+BUSY_TIMEOUT_MS = 15_000
+
+# Error codes that mean "the bytes on disk are not a usable database".
+_DAMAGE_CODES = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
+
+
+def describe_sqlite_error(path: Path, error: sqlite3.Error) -> StoreError:
+    """Turn a sqlite3 exception into a one-line StoreError naming the file."""
+    name = getattr(error, "sqlite_errorname", "") or ""
+    text = " ".join(str(error).split())
+    if name == "SQLITE_NOTADB" or "not a database" in text:
+        return CorruptDatabaseError(f"{path}: not a SQLite database; left untouched — move it aside or pass --db")
+    if name in _DAMAGE_CODES or "malformed" in text:
+        return CorruptDatabaseError(
+            f"{path}: damaged SQLite database ({text}); left untouched — move it aside or pass --db"
+        )
+    return StoreError(f"{path}: {text}")
+
+
+@contextlib.contextmanager
+def sqlite_errors(path: Path) -> Iterator[None]:
+    """Re-raise any sqlite3 error inside the block as a one-line StoreError."""
+    try:
+        yield
+    except sqlite3.Error as error:
+        raise describe_sqlite_error(path, error) from error
+
+
+def _check_path(path: Path) -> None:
+    """Refuse a directory or an inaccessible file, without opening it.
+
+    Never open() the database file here: SQLite's POSIX locks belong to the
+    process, and closing any descriptor of the file drops all of them — another
+    process would then think it holds the last connection and delete the WAL
+    under this process's open connections, losing their later commits. SQLite
+    itself recognises a non-database file (SQLITE_NOTADB) on a read-only probe.
+    """
+    if path.is_dir():
+        raise StoreError(f"{path}: is a directory, not a database file")
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise StoreError(f"{path}: permission denied (need read and write access)")
+
+
+def _create_empty(path: Path) -> None:
+    """Create the parent directory and an empty, private database file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # O_EXCL: if another process created it meanwhile, use theirs.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise StoreError(f"{path}: cannot create ({error.strerror})") from error
+
+
+def _open(path: Path, *, read_only: bool) -> sqlite3.Connection:
+    target = f"file:{quote(str(path.resolve()))}?mode={'ro' if read_only else 'rw'}"
+    try:
+        conn = sqlite3.connect(
+            target,
+            uri=True,
+            isolation_level=None,
+            check_same_thread=False,
+            timeout=BUSY_TIMEOUT_MS / 1000,
+        )
+    except sqlite3.Error as error:
+        raise describe_sqlite_error(path, error) from error
+    try:
+        with sqlite_errors(path):
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA foreign_keys = ON")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def connect(
+    path: Path,
+    *,
+    create: bool = True,
+    check: bool = True,
+    verify: Callable[[sqlite3.Connection], None] | None = None,
+) -> sqlite3.Connection:
+    """Open ``path`` read-write with the log's pragmas, once it is known to be safe.
+
+    The checks run first on a separate read-only connection, which never
+    writes the file (a read-write connection would checkpoint a leftover WAL
+    into it on close): a first read (a non-SQLite file fails it), ``PRAGMA quick_check`` when ``check``
+    (about 1 ms per MB), then ``verify`` (the caller's schema checks), which
+    raises to refuse the file. WAL mode is switched on later by ``enable_wal``:
+    changing the journal mode writes the header.
+    """
+    path = Path(path)
+    if not path.exists():
+        if not create:
+            raise DatabaseMissingError(f"{path}: no such database")
+        _create_empty(path)
+    _check_path(path)
+    probe = _open(path, read_only=True)
+    try:
+        with sqlite_errors(path):
+            # The first read of page 1: a non-database file fails here.
+            probe.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            if check:
+                rows = probe.execute("PRAGMA quick_check").fetchall()
+                if rows != [("ok",)]:
+                    detail = "; ".join(str(r[0]) for r in rows[:2])
+                    raise CorruptDatabaseError(
+                        f"{path}: damaged SQLite database ({detail}); left untouched — move it aside or pass --db"
+                    )
+            if verify is not None:
+                verify(probe)
+    finally:
+        probe.close()
+    return _open(path, read_only=False)
+
+
+def enable_wal(conn: sqlite3.Connection, path: Path) -> None:
+    """Switch to WAL (readers never block the writer) with full-sync commits."""
+    with sqlite_errors(path):
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise StoreError(f"{path}: cannot switch to WAL journal mode (got {mode!r})")
+        # FULL: a committed user message survives power loss, not only a crash.
+        conn.execute("PRAGMA synchronous = FULL")
+
+
+@contextlib.contextmanager
+def write_transaction(conn: sqlite3.Connection, path: Path) -> Iterator[sqlite3.Connection]:
+    """``BEGIN IMMEDIATE`` … ``COMMIT``; any exception (Ctrl-C included) rolls back.
+
+    IMMEDIATE takes the write lock up front, so the busy handler waits for a
+    peer writer instead of failing on a read-to-write upgrade.
+    """
+    with sqlite_errors(path):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        else:
+            try:
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
