@@ -62,6 +62,19 @@ class Config:
     """Attention-sink tokens at the start that are never evicted."""
     recent: int = 32
     """Most recent tokens that are never evicted (the current message is always kept too)."""
+    page_size: int = 8
+    """Sampling unit: pages of this many contiguous tokens (never straddling a message); 1 = single tokens."""
+    top_share: float = 0.5
+    """Share of the budget kept deterministically by score (the top slice) before the Poisson tail."""
+    floor: float = 0.05
+    """Score floor, as a share of the mean unprotected score, so every unprotected π stays > 0."""
+    question_window: int = 32
+    """Last prompt tokens whose attention scores the cache for eviction (SnapKV's observation window)."""
+    cert_window: int = 8
+    """Last prompt tokens over which the question-window certificate is computed."""
+    gate_stat: str = "question.q"
+    """Turn statistic the gate compares with τ: question.q (95th percentile over rows × layers × heads of the
+    relative certificate) or any key of the turn detail, e.g. answer.step_max_q (running maximum)."""
     theme: str = "textual-dark"
     """Textual theme name for the chat UI."""
     keys: dict[str, str] = field(default_factory=dict)
@@ -96,6 +109,17 @@ class Config:
             raise ConfigError(f"max_tokens: must be positive, got {self.max_tokens}")
         if self.sinks < 0 or self.recent < 0:
             raise ConfigError("sinks/recent: must be 0 or more")
+        if self.page_size < 1:
+            raise ConfigError(f"page_size: must be positive, got {self.page_size}")
+        if not 0 <= self.top_share < 1:
+            raise ConfigError(f"top_share: must be in [0, 1) (use policy topk for a fully deterministic cache), "
+                              f"got {self.top_share}")
+        if self.floor < 0:
+            raise ConfigError(f"floor: must be 0 or more, got {self.floor}")
+        if not 1 <= self.question_window <= 64 or not 1 <= self.cert_window <= 64:
+            raise ConfigError("question_window/cert_window: must be in [1, 64]")
+        if not (self.gate_stat.startswith("question.") or self.gate_stat.startswith("answer.")):
+            raise ConfigError(f"gate_stat: must start with 'question.' or 'answer.', got {self.gate_stat!r}")
 
 
 def parse_budget(value: str) -> tuple[str, float]:

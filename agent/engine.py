@@ -40,11 +40,14 @@ class CacheMirror:
     tokens: list[int] = field(default_factory=list)
     segments: list[int] = field(default_factory=list)
     """Index of the message each position belongs to (for per-turn retention and spans)."""
+    logpi: list[float] = field(default_factory=list)
+    """Cumulative log inclusion probability of each live position (0 until sampled)."""
 
     def append(self, tokens: list[int], start: int, segment: int) -> None:
         self.positions.extend(range(start, start + len(tokens)))
         self.tokens.extend(tokens)
         self.segments.extend([segment] * len(tokens))
+        self.logpi.extend([0.0] * len(tokens))
 
     def keep(self, mask: np.ndarray) -> None:
         """Drop the positions where ``mask`` is False."""
@@ -52,11 +55,13 @@ class CacheMirror:
         self.positions = [self.positions[i] for i in idx]
         self.tokens = [self.tokens[i] for i in idx]
         self.segments = [self.segments[i] for i in idx]
+        self.logpi = [self.logpi[i] for i in idx]
 
     def clear(self) -> None:
         self.positions.clear()
         self.tokens.clear()
         self.segments.clear()
+        self.logpi.clear()
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -70,6 +75,7 @@ class EngineSnapshot:
     positions: list[int]
     tokens: list[int]
     segments: list[int]
+    logpi: list[float]
     next_pos: int
 
 
@@ -131,11 +137,12 @@ class Engine:
     def snapshot(self) -> "EngineSnapshot":
         """Everything needed to come back to this exact cache (for independent probes)."""
         return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
-                              list(self.cache.segments), self.next_pos)
+                              list(self.cache.segments), list(self.cache.logpi), self.next_pos)
 
     def restore(self, snap: "EngineSnapshot") -> None:
+        """Put the cache back; state files carry no biases, so the caller re-applies them."""
         self.ctx.set_seq_state(snap.state, self.SEQ)
-        self.cache = CacheMirror(list(snap.positions), list(snap.tokens), list(snap.segments))
+        self.cache = CacheMirror(list(snap.positions), list(snap.tokens), list(snap.segments), list(snap.logpi))
         self.next_pos = snap.next_pos
 
     def truncate(self, pos: int) -> None:
@@ -163,11 +170,15 @@ class Engine:
                 f"{len(tokens)} tokens do not fit in the {self.free_cells()} free KV cells (n_ctx={self.n_ctx})", 1)
         start = time.perf_counter()
         n_batch = self.settings.n_batch
-        for offset in range(0, len(tokens), n_batch):
+        # The remainder goes first so that the last ubatch is a full one: the in-graph
+        # certificate and importance report the last rows of the last ubatch only.
+        first = len(tokens) % n_batch or n_batch
+        bounds = [0, *range(first, len(tokens), n_batch)]
+        for offset, end in zip(bounds, [*bounds[1:], len(tokens)]):
             if cancel is not None and cancel.is_set():
                 raise InterruptedError("prefill cancelled")
-            chunk = tokens[offset:offset + n_batch]
-            last_chunk = offset + n_batch >= len(tokens)
+            chunk = tokens[offset:end]
+            last_chunk = end >= len(tokens)
             positions = list(range(self.next_pos, self.next_pos + len(chunk)))
             self.batch.set(chunk, positions, self.SEQ, logits="last" if (logits_last and last_chunk) else "none")
             self.ctx.decode(self.batch)

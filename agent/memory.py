@@ -1,9 +1,15 @@
 """The cache manager: budget, eviction rounds, certificates and the gate for one engine.
 
-It turns a policy's scores into a keep set (through the design core in ``native``),
-applies it to the KV cache (remove, bias, compact through the patched API), and reduces
+It turns a policy's scores into a keep set (through the design core in ``native.poisson``),
+applies it to the KV cache (remove, bias, compact through ``native.patched``), and reduces
 the in-graph certificate terms to the gate statistic. The session asks it three things:
 evict now?, does the question breach the gate?, does this answer step breach it?
+
+Eviction is question-aware: it runs after the user's message is prefilled, so the
+attention of the message's last ``question_window`` tokens decides what matters. The
+question-window certificate is then recomputed on the evicted cache by re-decoding the
+last ``cert_window`` tokens (same tokens, same positions), so the gate sees the error of
+the cache that will actually answer.
 """
 
 from __future__ import annotations
@@ -13,8 +19,15 @@ from typing import Any
 
 import numpy as np
 
+from agent import policies
 from agent.config import Config, parse_budget, parse_gate
 from agent.engine import Engine
+from native import patched, poisson
+
+# The calibrated default τ for `gate = "auto"`. None until the calibration study
+# (`certchat replay --study gating`, docs/RESULTS.md) writes a value here; with None the
+# gate stays off unless a threshold is given explicitly.
+DEFAULT_TAU: float | None = None
 
 
 @dataclass(frozen=True)
@@ -31,62 +44,85 @@ class EvictionReport:
     cells_after: int
     budget_cells: int
     sum_pi: float
-
-
-# Calibrated default τ for the question-window statistic; replaced by the calibration
-# study's output (docs/RESULTS.md) — until then the gate must be given explicitly or is off.
-DEFAULT_TAU: float | None = None
+    feasible: bool
 
 
 @dataclass
 class _TurnCerts:
-    question: float | None = None
-    answer_max: float | None = None
-    first_answer: float | None = None
-    steps: int = 0
-    detail: dict[str, Any] = field(default_factory=dict)
+    question: np.ndarray | None = None
+    """(rows, layers, heads) relative certificate over the question window."""
+    answer: list[np.ndarray] = field(default_factory=list)
+    """One (layers, heads) relative certificate per answer step."""
+    answer_running_q: float | None = None
+
+
+def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted positions → [p0, p1) runs, so eviction costs one seq_rm per run."""
+    if len(positions) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1)
+    starts = np.concatenate(([positions[0]], positions[breaks + 1]))
+    ends = np.concatenate((positions[breaks], [positions[-1]])) + 1
+    return list(zip(starts.tolist(), ends.tolist()))
 
 
 class CacheManager:
-    """Budget and gate bookkeeping for one engine's cache (policy ``full`` never evicts)."""
+    """Budget, eviction, certificates and gate for one engine's cache."""
 
     def __init__(self, engine: Engine, config: Config) -> None:
         self.engine = engine
         self.config = config
         self.round = 0
         self._turn = _TurnCerts()
-        self._peak_history = 0
+        self._importance: patched.Importance | None = None
+        self._cert_on = False
+        self._window = 0
+        self.reconfigure(config)
+
+    # -- configuration ------------------------------------------------------------------
+    @property
+    def policy(self) -> policies.Policy:
+        return policies.get(self.config.policy)
 
     def reconfigure(self, config: Config) -> None:
         self.config = config
+        # Certificates/importance cost a little per step: on only when a policy uses them.
+        want = self.policy.evicts and self.policy.name != "window"
+        if want != self._cert_on:
+            patched.set_attn_certificate(self.engine.ctx.handle, want, max(1, self.config.question_window))
+            self._cert_on = want
+            self._window = self.config.question_window if want else 0
+
+    def _set_window(self, rows: int) -> None:
+        if self._cert_on and rows != self._window:
+            patched.set_attn_certificate(self.engine.ctx.handle, True, rows)
+            self._window = rows
 
     def reset(self) -> None:
         """A new or reopened conversation."""
         self.round = 0
-        self._turn = _TurnCerts()
-        self._peak_history = 0
+        self.reset_cache_state()
 
     def reset_cache_state(self) -> None:
-        """The cache was cleared and is being re-prefilled (biases are gone with it)."""
+        """The cache was cleared (re-prefill follows)."""
         self._turn = _TurnCerts()
+        self._importance = None
+        self._set_window(self.config.question_window)
 
     def snapshot(self) -> Any:
-        """Bookkeeping to restore after an independent probe."""
-        return (self.round, self._peak_history)
+        return (self.round, self._importance)
 
     def restore(self, snap: Any) -> None:
-        self.round, self._peak_history = snap
+        """After an engine restore: state files carry no biases, so write them again."""
+        self.round, self._importance = snap
+        self._write_biases(np.ones(len(self.engine.cache), dtype=bool))
 
     # -- budget ----------------------------------------------------------------------------
-    def history_tokens(self) -> int:
-        """Tokens the conversation has fed so far (live or evicted)."""
-        return self.engine.next_pos
-
     def budget_cells(self) -> int | None:
-        if self.config.policy == "full":
+        if not self.policy.evicts:
             return None
         kind, value = parse_budget(self.config.budget)
-        cells = int(value) if kind == "tokens" else int(round(value * max(self.history_tokens(), 1)))
+        cells = int(value) if kind == "tokens" else int(round(value * max(self.engine.next_pos, 1)))
         return max(cells, self.config.sinks + self.config.recent)
 
     def threshold(self) -> float | None:
@@ -95,38 +131,151 @@ class CacheManager:
             return DEFAULT_TAU
         return gate if isinstance(gate, float) else None
 
+    # -- prefill hooks -----------------------------------------------------------------
+    def before_prefill(self) -> None:
+        """The next feed's last rows are the question: score the cache with them."""
+        self._set_window(self.config.question_window)
+
+    def after_prefill(self) -> None:
+        """Keep the question's attention (importance) and certificate of the pre-eviction cache."""
+        if not self._cert_on:
+            return
+        self._importance = patched.get_importance(self.engine.ctx.handle)
+        self._turn = _TurnCerts(question=self._read_relative()[-self.config.cert_window:])
+
+    def _read_relative(self) -> np.ndarray:
+        """(rows, layers, heads) relative certificate of the last ubatch; layers without attention dropped."""
+        cert = patched.get_certificate(self.engine.ctx.handle)
+        rel = np.transpose(cert.relative(), (2, 0, 1)).astype(np.float64)
+        valid = ~np.isnan(rel).any(axis=(0, 2))
+        rel = rel[:, valid, :]
+        return np.nan_to_num(rel, nan=0.0, posinf=0.0)
+
     # -- eviction ------------------------------------------------------------------------
     def evict(self, protect_from: int, round_hint: int | None = None, conversation_id: int | None = None,
-              store: Any = None, message_id: int | None = None) -> EvictionReport | None:
-        """Bring the cache back to its budget; ``protect_from``: first position never evicted."""
-        if self.config.policy == "full":
+              store: Any = None, message_id: int | None = None, budget: int | None = None) -> EvictionReport | None:
+        """Bring the cache back to its budget; positions ≥ ``protect_from`` are never evicted."""
+        pol = self.policy
+        target = budget if budget is not None else self.budget_cells()
+        cache = self.engine.cache
+        n = len(cache)
+        if not pol.evicts or target is None or n <= target:
             return None
-        raise NotImplementedError(f"policy {self.config.policy!r} needs the patched eviction API")
+        positions = np.asarray(cache.positions, dtype=np.int64)
+        segments = np.asarray(cache.segments, dtype=np.int64)
+        protected = self._protected(positions, protect_from)
+        importance = self._importance.per_position(positions) if self._importance is not None else None
+        scores = pol.score(policies.CacheView(positions, segments, importance))
+        unprotected = scores[~protected]
+        floor = self.config.floor * float(unprotected.mean()) if unprotected.size and pol.method == "poisson" else 0.0
+        plan = poisson.plan_eviction(
+            scores, protected, float(target), method=pol.method,  # type: ignore[arg-type]
+            page_size=self.config.page_size, message_ids=segments,
+            top_share=self.config.top_share if pol.method == "poisson" else 0.0,
+            floor=floor, seed=self.config.seed, round=self.round, positions=positions,
+            prev_cum_logpi=np.asarray(cache.logpi, dtype=np.float64), strict=False,
+        )
+        keep = np.asarray(plan.keep, dtype=bool)
+        ctx = self.engine.ctx
+        for p0, p1 in _runs(positions[~keep]):
+            if not ctx.seq_rm(self.engine.SEQ, p0, p1):
+                raise RuntimeError(f"could not evict positions [{p0}, {p1})")
+        cache.keep(keep)
+        if pol.sampled:
+            cache.logpi = [float(x) for x in plan.cum_logpi[keep]]
+        self._write_biases(np.ones(len(cache), dtype=bool))
+        patched.compact(ctx.handle, self.engine.SEQ)
+        report = EvictionReport(round=self.round, cells_before=n, cells_after=len(cache), budget_cells=int(target),
+                                sum_pi=float(plan.expected_kept), feasible=plan.feasible)
+        if store is not None and conversation_id is not None:
+            from memory_store.records import EvictionRound  # noqa: PLC0415
+
+            store.record_eviction_round(EvictionRound(
+                conversation_id=conversation_id, round=self.round, message_id=message_id, policy=pol.name,
+                cells_before=n, cells_after=len(cache), expected_budget=float(target), seed=self.config.seed,
+                sum_pi=float(plan.expected_kept)))
+        self.round += 1
+        self._importance = None  # cell indices moved; importance is read again at the next prefill
+        return report
+
+    def _protected(self, positions: np.ndarray, protect_from: int) -> np.ndarray:
+        """Sinks, the recent window before the current message, and the current message."""
+        protected = positions >= protect_from
+        protected[: self.config.sinks] = True
+        before = np.flatnonzero(positions < protect_from)
+        if self.config.recent and len(before):
+            protected[before[-self.config.recent:]] = True
+        return protected
+
+    def _write_biases(self, mask: np.ndarray) -> None:
+        cache = self.engine.cache
+        if not len(cache):
+            return
+        pos = np.asarray(cache.positions, dtype=np.int32)[mask]
+        bias = (-np.asarray(cache.logpi, dtype=np.float64)[mask]).astype(np.float32)
+        patched.set_bias_pos(self.engine.ctx.memory, self.engine.SEQ, pos, bias)
+
+    def requestion(self, tokens: list[int], segment: int) -> None:
+        """Re-decode the question's last tokens on the evicted cache to certify that cache."""
+        w = min(self.config.cert_window, len(tokens))
+        if not self._cert_on or w == 0:
+            return
+        self._set_window(w)
+        self.engine.truncate(self.engine.next_pos - w)
+        self.engine.feed(tokens[-w:], segment=segment)
+        self._turn = _TurnCerts(question=self._read_relative())
+        self._set_window(1)
 
     def make_room(self, needed: int) -> bool:
         """Free cells for the next prefill + answer; False when the policy cannot (``full``)."""
-        return False
+        if not self.policy.evicts:
+            return False
+        target = max(self.config.sinks + self.config.recent, self.engine.n_ctx - needed)
+        budget = min(self.budget_cells() or target, target)
+        self.evict(protect_from=self.engine.next_pos, budget=budget)
+        return self.engine.free_cells() >= needed
 
     # -- certificates and the gate ----------------------------------------------------
+    def _statistics(self) -> dict[str, float]:
+        question = self._turn.question if self._turn.question is not None and self._turn.question.size else None
+        answer = np.stack(self._turn.answer) if self._turn.answer else None
+        if question is None and answer is None:
+            return {}
+        return poisson.turn_statistics(question=question, answer=answer)
+
     def question_gate(self) -> GateDecision:
         tau = self.threshold()
-        value = self._turn.question
+        if not self.config.gate_stat.startswith("question."):
+            return GateDecision(None, tau, False)
+        value = self._statistics().get(self.config.gate_stat)
         return GateDecision(value, tau, fire=value is not None and tau is not None and value >= tau)
 
     def begin_answer(self) -> None:
-        self._turn.answer_max = None
-        self._turn.first_answer = None
-        self._turn.steps = 0
+        self._turn.answer = []
+        self._turn.answer_running_q = None
+        self._set_window(1)
 
     def step_gate(self) -> GateDecision:
-        return GateDecision(None, self.threshold(), fire=False)
+        """Read this decode step's certificate; fire when an answer statistic reaches τ."""
+        tau = self.threshold()
+        if not self._cert_on:
+            return GateDecision(None, tau, False)
+        rel = self._read_relative()
+        self._turn.answer.append(rel[-1])
+        if not self.config.gate_stat.startswith("answer."):
+            return GateDecision(None, tau, False)
+        value = self._statistics().get(self.config.gate_stat)
+        return GateDecision(value, tau, fire=value is not None and tau is not None and value >= tau)
 
     def turn_statistic(self) -> float | None:
-        return self._turn.question
+        return self._statistics().get(self.config.gate_stat)
 
     def turn_detail(self) -> dict[str, Any]:
-        return {"question": self._turn.question, "answer_max": self._turn.answer_max,
-                "first_answer": self._turn.first_answer, **self._turn.detail}
+        detail: dict[str, Any] = dict(self._statistics())
+        if self._turn.question is not None and self._turn.question.size:
+            detail["per_layer"] = [float(x) for x in np.quantile(self._turn.question, 0.95, axis=(0, 2))]
+        detail["answer_steps"] = len(self._turn.answer)
+        return detail
 
     def retained_by_message(self, roles: dict[int, str], lengths: dict[int, int]) -> list[tuple[int, str, float]]:
         """(message index, role, share of its tokens still cached) for each message."""

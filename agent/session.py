@@ -115,7 +115,9 @@ class ChatSession:
         self._segments = []
         self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired)
                             for i, t in enumerate(self.store.turns(conversation_id))]
+        self.memory.before_prefill()
         self._reprefill_from_log()
+        self.memory.after_prefill()
         self.memory.evict(protect_from=self.engine.next_pos, round_hint=0)
 
     # -- the turn ------------------------------------------------------------------------------
@@ -151,7 +153,9 @@ class ChatSession:
         self._make_room(len(tokens) + self.config.max_tokens + 16, on_event)
 
         first_pos = self.engine.next_pos
+        self.memory.before_prefill()
         prefill_ms = self.engine.feed(tokens, segment=user.index, cancel=cancel)
+        self.memory.after_prefill()
         self.store.set_message_tokens(user.id, tokens, first_pos)
         self._segments.append(seg)
         on_event(ev.Prefilled(len(tokens), prefill_ms))
@@ -160,6 +164,7 @@ class ChatSession:
         evicted = self.memory.evict(protect_from=first_pos, round_hint=None, conversation_id=self.conversation_id,
                                     store=self.store, message_id=user.id)
         if evicted is not None:
+            self.memory.requestion(tokens, user.index)
             on_event(ev.Evicted(evicted.round, evicted.cells_before, evicted.cells_after, evicted.budget_cells,
                                 (time.perf_counter() - started) * 1000.0))
 

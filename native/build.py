@@ -6,10 +6,11 @@ Pipeline (each step skipped when its output already exists):
            here), verified by sha256, kept under ``<cache>/sdist``;
 2. extract the vendored llama.cpp tree from it, once per sdist;
 3. patch   a copy of that tree with ``native/patches/*.patch`` in sorted order;
-4. build   libllama + ggml (CMake/Ninja, shared libs, CPU or CUDA) and
-           ``native/src`` (libcertchat_core*.so) into ``<cache>/builds/<key>``,
-           where key = hash(sdist, patches, core sources, flags, compilers);
-5. publish the libraries into ``<key>/lib`` and point ``native/_built.json`` at it.
+4. build   libllama + ggml (CMake/Ninja, shared libs, CPU or CUDA) into
+           ``<cache>/builds/llama-<hash(sdist, patches, flags, compilers)>`` and
+           ``native/src`` (libcertchat_core*.so) into ``<cache>/builds/core-<hash(sources, …)>``
+           — two keys, so editing our C++ never rebuilds llama.cpp;
+5. publish both into ``<cache>/lib/<llama key>-<core key>`` and point ``native/_built.json`` at it.
 
 A second run with nothing changed only hashes inputs and rewrites the pointer. A failed
 step raises :class:`BuildError` naming the step and its log file.
@@ -256,21 +257,37 @@ def llama_flags(opts: BuildOptions, cuda_arch: str | None) -> list[str]:
     return flags
 
 
-def build_key(opts: BuildOptions, cuda_arch: str | None, core_cuda: bool) -> str:
-    """Hash of everything that changes the built libraries."""
+def _compilers(cuda: bool) -> bytes:
+    out = _tool_version(["cc", "--version"]) + _tool_version(["c++", "--version"])
+    if cuda:
+        out += _tool_version([nvcc_path() or "nvcc", "--version"])
+    return out.encode()
+
+
+def llama_key(opts: BuildOptions, cuda_arch: str | None) -> str:
+    """Hash of everything that changes libllama/libggml: sdist, patches, flags, compilers."""
     digest = hashlib.sha256()
     digest.update(SDIST_SHA256.encode())
     for path in patch_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(json.dumps(llama_flags(opts, cuda_arch)).encode())
+    digest.update(_compilers(opts.cuda))
+    return digest.hexdigest()[:16]
+
+
+def core_key(core_cuda: bool, cuda_arch: str | None) -> str:
+    """Hash of everything that changes libcertchat_core*: our sources, flags, compilers."""
+    digest = hashlib.sha256()
     for path in _core_sources():
         digest.update(str(path.relative_to(CORE_SRC_DIR)).encode() + b"\0" + path.read_bytes())
-    digest.update(json.dumps(llama_flags(opts, cuda_arch)).encode())
-    digest.update(f"core_cuda={core_cuda};arch={cuda_arch}".encode())
-    digest.update(_tool_version(["cc", "--version"]).encode())
-    digest.update(_tool_version(["c++", "--version"]).encode())
-    if opts.cuda or core_cuda:
-        digest.update(_tool_version([nvcc_path() or "nvcc", "--version"]).encode())
-    return digest.hexdigest()[:20]
+    digest.update(f"core_cuda={core_cuda};arch={cuda_arch if core_cuda else None}".encode())
+    digest.update(_compilers(core_cuda))
+    return digest.hexdigest()[:16]
+
+
+def build_key(opts: BuildOptions, cuda_arch: str | None, core_cuda: bool) -> str:
+    """Key of the published library set: the llama.cpp part and the design-core part."""
+    return f"{llama_key(opts, cuda_arch)}-{core_key(core_cuda, cuda_arch)}"
 
 
 def _apply_patches(tree: Path, log: Path, progress: Progress) -> None:
@@ -321,58 +338,79 @@ def build(opts: BuildOptions, progress_factory: Callable[[bool], Progress] = Pro
         raise BuildError("build step 'configure' failed: --cuda needs nvcc (the CUDA toolkit) on PATH")
 
     sdist = fetch_sdist(cache, progress)
-    key = build_key(opts, cuda_arch, core_cuda)
-    root = cache / "builds" / key
-    lib_dir = root / "lib"
-    done = root / "BUILD_OK"
-    if done.exists() and (lib_dir / "libllama.so").exists():
+    lkey = llama_key(opts, cuda_arch)
+    ckey = core_key(core_cuda, cuda_arch)
+    key = f"{lkey}-{ckey}"
+    lib_dir = cache / "lib" / key
+    if (lib_dir / "PUBLISHED").exists() and (lib_dir / "libllama.so").exists():
         _write_pointer(lib_dir, key, opts.cuda, core_cuda)
         progress.step(f"up to date: {lib_dir}")
         return lib_dir
 
-    pristine = extract_vendor(sdist, cache, progress)
+    env = dict(os.environ)
+    if nvcc:
+        env["CUDACXX"] = nvcc
+    llama_build = _build_llama(opts, cuda_arch, sdist, cache / "builds" / f"llama-{lkey}", env, progress)
+    core_build = _build_core(opts, core_cuda, cuda_arch, cache / "builds" / f"core-{ckey}", env, progress)
+
+    _publish(llama_build, core_build, lib_dir)
+    if not (lib_dir / "libllama.so").exists():
+        raise BuildError(f"build step 'publish' failed: no libllama.so in {lib_dir}")
+    (lib_dir / "PUBLISHED").write_text(json.dumps({"key": key, "cuda": opts.cuda, "core_cuda": core_cuda,
+                                                   "built": time.time()}))
+    _write_pointer(lib_dir, key, opts.cuda, core_cuda)
+    progress.step(f"done: {lib_dir}")
+    return lib_dir
+
+
+def _build_llama(opts: BuildOptions, cuda_arch: str | None, sdist: Path, root: Path, env: dict[str, str],
+                 progress: Progress) -> Path:
+    """Patched libllama + ggml under ``root`` (skipped when already built)."""
+    out = root / "build"
+    if (root / "BUILD_OK").exists() and (out / "bin" / "libllama.so").exists():
+        return out
+    pristine = extract_vendor(sdist, opts.cache_dir, progress)
     log = root / "build.log"
     tree = root / "llama.cpp"
     if not (root / "PATCHED").exists():
         shutil.rmtree(tree, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
-        log.write_text(f"certchat native build {key}\n")
+        log.write_text(f"certchat llama.cpp build {root.name}\n")
         shutil.copytree(pristine, tree, symlinks=True)
         _apply_patches(tree, log, progress)
         (root / "PATCHED").write_text("ok")
-
-    env = dict(os.environ)
-    if nvcc:
-        env["CUDACXX"] = nvcc
     kind = f"CUDA sm_{cuda_arch}" if opts.cuda else "CPU"
     progress.step(f"configuring llama.cpp ({kind}); log: {log}")
-    llama_build = root / "build-llama"
-    configure = ["cmake", "-S", str(tree), "-B", str(llama_build), "-G", "Ninja", *llama_flags(opts, cuda_arch)]
+    configure = ["cmake", "-S", str(tree), "-B", str(out), "-G", "Ninja", *llama_flags(opts, cuda_arch)]
     _run_logged("configure llama.cpp", configure, log, progress, env=env)
     progress.step(f"compiling llama.cpp ({kind}, {opts.jobs} jobs; several minutes)")
-    _run_logged("compile llama.cpp", ["cmake", "--build", str(llama_build), "--target", "llama", "-j", str(opts.jobs)],
+    _run_logged("compile llama.cpp", ["cmake", "--build", str(out), "--target", "llama", "-j", str(opts.jobs)],
                 log, progress, env=env)
+    (root / "BUILD_OK").write_text("ok")
+    return out
 
-    core_build: Path | None = None
-    if (CORE_SRC_DIR / "CMakeLists.txt").exists():
-        core_build = root / "build-core"
-        core_kind = f"CPU + CUDA sm_{cuda_arch}" if core_cuda else "CPU"
-        progress.step(f"compiling the certchat design core ({core_kind})")
-        core_cfg = ["cmake", "-S", str(CORE_SRC_DIR), "-B", str(core_build), "-G", "Ninja",
-                    "-DCMAKE_BUILD_TYPE=Release", f"-DCERTCHAT_CUDA={'ON' if core_cuda else 'OFF'}"]
-        if core_cuda:
-            core_cfg.append(f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}")
-        _run_logged("configure design core", core_cfg, log, progress, env=env)
-        _run_logged("compile design core", ["cmake", "--build", str(core_build), "-j", str(opts.jobs)], log, progress,
-                    env=env)
 
-    _publish(llama_build, core_build, lib_dir)
-    if not (lib_dir / "libllama.so").exists():
-        raise BuildError(f"build step 'publish' failed: no libllama.so was produced; see the log: {log}")
-    done.write_text(json.dumps({"key": key, "cuda": opts.cuda, "core_cuda": core_cuda, "built": time.time()}))
-    _write_pointer(lib_dir, key, opts.cuda, core_cuda)
-    progress.step(f"done: {lib_dir}")
-    return lib_dir
+def _build_core(opts: BuildOptions, core_cuda: bool, cuda_arch: str | None, root: Path, env: dict[str, str],
+                progress: Progress) -> Path | None:
+    """Our design-core libraries under ``root`` (skipped when already built)."""
+    if not (CORE_SRC_DIR / "CMakeLists.txt").exists():
+        return None
+    out = root / "build"
+    if (root / "BUILD_OK").exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "build.log"
+    log.write_text(f"certchat design core build {root.name}\n")
+    core_kind = f"CPU + CUDA sm_{cuda_arch}" if core_cuda else "CPU"
+    progress.step(f"compiling the certchat design core ({core_kind}); log: {log}")
+    core_cfg = ["cmake", "-S", str(CORE_SRC_DIR), "-B", str(out), "-G", "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release", f"-DCERTCHAT_CUDA={'ON' if core_cuda else 'OFF'}"]
+    if core_cuda:
+        core_cfg.append(f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}")
+    _run_logged("configure design core", core_cfg, log, progress, env=env)
+    _run_logged("compile design core", ["cmake", "--build", str(out), "-j", str(opts.jobs)], log, progress, env=env)
+    (root / "BUILD_OK").write_text("ok")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
