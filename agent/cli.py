@@ -13,7 +13,7 @@ from agent import paths
 
 # Subcommand modules that add themselves with register(subparsers); optional ones may be
 # absent while their issue is open.
-_PLUGINS = ("agent.cli_log", "agent.cli_chat")
+_PLUGINS = ("agent.cli_log", "agent.cli_chat", "agent.bench", "agent.cli_replay")
 
 
 def _cmd_build(args: argparse.Namespace) -> int:

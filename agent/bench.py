@@ -1,0 +1,248 @@
+"""`certchat bench`: the speed claims, measured with both sides printed in one run.
+
+- decode tokens/s with a long history: `full` (the whole history in the cache) against
+  `poisson` at a 10% budget after eviction + compaction, and against a fresh context
+  holding only the budget's worth of tokens (the best eviction can do);
+- the in-graph certificate's cost on decode (on vs off at the same live cells);
+- the per-turn overhead of eviction + certificate + store writes in a real session turn;
+- the design core's time for one eviction round at 32k cells;
+- a gated re-prefill against a steady-state turn.
+
+Numbers depend on the machine: the report names the model, threads and sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent import models
+from agent.config import Config
+from agent.engine import Engine, EngineSettings
+from native import llama, patched, poisson
+
+
+def _history_tokens(model: llama.Model, n: int) -> list[int]:
+    """Real conversational text (LoCoMo if the shared data is there), tokenized, n tokens."""
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo"
+    text = ""
+    if shared.exists():
+        for path in sorted(shared.glob("*.json")):
+            data = json.loads(path.read_text())
+            conv = data.get("conversation", data)
+            for key in sorted(k for k in conv if k.startswith("session_") and k[8:].isdigit()):
+                for turn in conv[key]:
+                    text += f"{turn.get('speaker', '')}: {turn.get('text', '')}\n"
+    if not text:
+        text = "The lighthouse keeper wrote the weather down every evening, as her mother had. " * 64
+    tokens = model.tokenize(text, add_special=False, parse_special=False)
+    while len(tokens) < n:
+        tokens = tokens + tokens
+    return tokens[:n]
+
+
+def _decode_rate(engine: Engine, steps: int) -> float:
+    """Greedy decode ``steps`` tokens; tokens/s. The cache is put back afterwards."""
+    start_pos = engine.next_pos
+    sampler = llama.Sampler(llama.SamplerParams(), engine.info.n_vocab)
+    try:
+        gen = engine.generate(sampler, steps, segment=-1)
+    finally:
+        sampler.close()
+    engine.truncate(start_pos)
+    # Fresh logits for the last position, so the next measurement starts the same way.
+    last = engine.cache.tokens[-1]
+    engine.truncate(start_pos - 1)
+    engine.feed([last], segment=-1)
+    return len(gen.tokens) / (gen.decode_ms / 1000.0) if gen.decode_ms > 0 else 0.0
+
+
+def design_ms(n: int = 32768, repeats: int = 20) -> float:
+    """Median ms of one eviction round's design (probabilities + draws + bias) at n cells."""
+    rng = np.random.default_rng(0)
+    scores = rng.pareto(1.5, n)
+    protected = np.zeros(n, dtype=bool)
+    protected[:4] = True
+    protected[-32:] = True
+    times = []
+    for r in range(repeats):
+        t = time.perf_counter()
+        poisson.plan_eviction(scores, protected, 0.1 * n, method="poisson", page_size=8, top_share=0.5,
+                              seed=1, round=r)
+        times.append((time.perf_counter() - t) * 1000.0)
+    return float(np.median(times))
+
+
+def run(model_name: str, history: int, budget_share: float, threads: int, steps: int,
+        turn_history: int) -> dict[str, Any]:
+    path = models.resolve(model_name)
+    out: dict[str, Any] = {"model": model_name, "threads": threads, "history_tokens": history,
+                           "budget_share": budget_share, "decode_steps": steps, "cpu_count": os.cpu_count()}
+    budget = int(history * budget_share)
+    say = lambda text: print(f"[bench] {text}", file=sys.stderr, flush=True)  # noqa: E731
+
+    # 1. long history: full vs poisson-after-compaction, same engine, same prefill.
+    eng = Engine(EngineSettings(model_path=path, n_ctx=history + 512, n_batch=512, threads=threads))
+    patched.set_attn_certificate(eng.ctx.handle, True, 32)
+    toks = _history_tokens(eng.model, history)
+    say(f"prefilling {history} tokens of {model_name} ({threads} threads)")
+    out["prefill_ms_history"] = eng.feed(toks, segment=0)
+    importance = patched.get_importance(eng.ctx.handle).per_position(eng.cache.positions)
+    patched.set_attn_certificate(eng.ctx.handle, False, 1)
+    say("decode with the full cache")
+    out["decode_tok_s_full"] = _decode_rate(eng, steps)
+    positions = np.asarray(eng.cache.positions)
+    protected = np.zeros(len(positions), dtype=bool)
+    protected[:4] = True
+    protected[-32:] = True
+    t = time.perf_counter()
+    plan = poisson.plan_eviction(importance, protected, float(budget), method="poisson", page_size=8,
+                                 top_share=0.5, seed=0, round=0, positions=positions)
+    out["design_ms_history"] = (time.perf_counter() - t) * 1000.0
+    keep = np.asarray(plan.keep, dtype=bool)
+    t = time.perf_counter()
+    starts = positions[~keep]
+    breaks = np.flatnonzero(np.diff(starts) != 1)
+    for p0, p1 in zip(np.concatenate(([starts[0]], starts[breaks + 1])),
+                      np.concatenate((starts[breaks], [starts[-1]])) + 1):
+        eng.ctx.seq_rm(0, int(p0), int(p1))
+    out["seq_rm_ms"] = (time.perf_counter() - t) * 1000.0
+    eng.cache.keep(keep)
+    patched.set_bias_pos(eng.ctx.memory, 0, positions[keep].astype(np.int32), plan.bias[keep])
+    t = time.perf_counter()
+    extent = patched.compact(eng.ctx.handle, 0)
+    out["compact_ms"] = (time.perf_counter() - t) * 1000.0
+    out["live_cells_after"] = len(eng.cache)
+    out["extent_after"] = extent
+    say(f"decode after evicting to {len(eng.cache)} cells and compacting")
+    out["decode_tok_s_poisson"] = _decode_rate(eng, steps)
+    eng.close()
+
+    # 2. a fresh context with only the budget's tokens: the ceiling for an evicted cache.
+    fresh = Engine(EngineSettings(model_path=path, n_ctx=budget + 512, n_batch=512, threads=threads))
+    fresh.feed(_history_tokens(fresh.model, budget), segment=0)
+    say(f"decode with a fresh {budget}-token context")
+    out["decode_tok_s_fresh_budget"] = _decode_rate(fresh, steps)
+
+    # 3. certificate cost at the same live cells.
+    rates = {}
+    for on in (False, True, False, True):
+        patched.set_attn_certificate(fresh.ctx.handle, on, 1)
+        rates.setdefault(on, []).append(_decode_rate(fresh, steps))
+    off, on_ = max(rates[False]), max(rates[True])
+    out["decode_tok_s_cert_off"] = off
+    out["decode_tok_s_cert_on"] = on_
+    out["certificate_overhead"] = off / on_ - 1.0 if on_ > 0 else None
+    fresh.close()
+
+    out["design_ms_32k"] = design_ms(32768)
+    out.update(_turn_overhead(path, model_name, threads, turn_history))
+    return out
+
+
+def _turn_overhead(path: Path, model_name: str, threads: int, history: int) -> dict[str, Any]:
+    """One real session turn at a ``history``-token conversation: where the time goes."""
+    from agent import events as ev  # noqa: PLC0415
+    from agent.session import ChatSession  # noqa: PLC0415
+    from memory_store.store import Store  # noqa: PLC0415
+
+    cfg = Config(model=model_name, n_ctx=history + 1024, policy="poisson", budget="10%", max_tokens=32,
+                 gate="off", threads=threads)
+    eng = Engine(EngineSettings(model_path=path, n_ctx=cfg.n_ctx, n_batch=512, threads=threads))
+    with tempfile.TemporaryDirectory() as tmp:
+        session = ChatSession(cfg.replace(policy="full"), Store(Path(tmp) / "bench.db"), eng, model_name)
+        filler = eng.model.detokenize(_history_tokens(eng.model, 400))
+        while eng.next_pos < history:
+            session.send(filler, forced_answer="I see.")
+        session.reconfigure(policy="poisson")
+        times: dict[str, float] = {}
+
+        def sink(e: ev.Event) -> None:
+            if isinstance(e, ev.Evicted):
+                times["evict_ms"] = e.ms
+
+        t = time.perf_counter()
+        r = session.send("Summarise what we talked about in one sentence.", on_event=sink)
+        wall = (time.perf_counter() - t) * 1000.0
+        overhead = wall - r.prefill_ms - r.decode_ms
+        # Steady state: the next turn, from the evicted cache.
+        t = time.perf_counter()
+        r2 = session.send("And in three words?")
+        steady = (time.perf_counter() - t) * 1000.0
+        # A gated turn: τ = 0 forces the re-prefill of the whole history from the log.
+        session.reconfigure(gate="0")
+        t = time.perf_counter()
+        r3 = session.send("One more time, briefly?")
+        gated = (time.perf_counter() - t) * 1000.0
+        session.close()
+    eng.close()
+    return {
+        "turn_history_tokens": history,
+        "turn_wall_ms": wall, "turn_prefill_ms": r.prefill_ms, "turn_decode_ms": r.decode_ms,
+        "turn_evict_ms": times.get("evict_ms"), "turn_overhead": overhead / wall if wall else None,
+        "steady_turn_ms": steady, "steady_turn_live_cells": r2.live_cells,
+        "gated_turn_ms": gated, "gated_reprefill_tokens": r3.reprefill_tokens,
+    }
+
+
+def render(out: dict[str, Any]) -> str:
+    def f(key: str, fmt: str = "{:.1f}") -> str:
+        value = out.get(key)
+        return fmt.format(value) if isinstance(value, (int, float)) else "—"
+
+    h = out["history_tokens"]
+    lines = [
+        f"certchat bench — {out['model']}, {out['threads']} threads, {out['cpu_count']} CPUs visible",
+        f"history {h} tokens, budget {int(out['budget_share'] * 100)}% → {out['live_cells_after']} live cells",
+        "",
+        f"decode tok/s, full cache ({h} cells)            : {f('decode_tok_s_full')}",
+        f"decode tok/s, poisson after compaction          : {f('decode_tok_s_poisson')}"
+        f"   (×{out['decode_tok_s_poisson'] / out['decode_tok_s_full']:.2f} vs full)",
+        f"decode tok/s, fresh context at the budget       : {f('decode_tok_s_fresh_budget')}",
+        f"compaction ms / seq_rm ms / design ms           : {f('compact_ms')} / {f('seq_rm_ms')} / "
+        f"{f('design_ms_history', '{:.2f}')}",
+        f"certificate off / on tok/s (overhead)           : {f('decode_tok_s_cert_off')} / "
+        f"{f('decode_tok_s_cert_on')} ({f('certificate_overhead', '{:+.1%}')})",
+        f"design core, one round at 32k cells             : {f('design_ms_32k', '{:.2f}')} ms",
+        f"turn at {out['turn_history_tokens']} tokens: wall {f('turn_wall_ms', '{:.0f}')} ms = prefill "
+        f"{f('turn_prefill_ms', '{:.0f}')} + decode {f('turn_decode_ms', '{:.0f}')} + overhead "
+        f"({f('turn_overhead', '{:.1%}')}; eviction {f('turn_evict_ms', '{:.0f}')} ms)",
+        f"steady-state turn {f('steady_turn_ms', '{:.0f}')} ms vs gated turn {f('gated_turn_ms', '{:.0f}')} ms "
+        f"(re-prefilled {out.get('gated_reprefill_tokens')} tokens)",
+    ]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    history = 4096 if args.quick else args.history
+    out = run(args.model, history, args.budget, args.threads, 16 if args.quick else args.steps,
+              1024 if args.quick else 4096)
+    keyed = {
+        **out,
+        f"decode_tok_s_full_{history // 1024}k": out["decode_tok_s_full"],
+        f"decode_tok_s_poisson_{history // 1024}k_{int(args.budget * 100)}pct": out["decode_tok_s_poisson"],
+    }
+    print(render(out))
+    if args.json:
+        print(json.dumps(keyed))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="decode speed with and without eviction, certificate and turn overheads")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--history", type=int, default=16384)
+    p.add_argument("--budget", type=float, default=0.10, help="share of the history kept (0.10 = 10%%)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    p.add_argument("--quick", action="store_true", help="4k history, 1k-token turn: a couple of minutes")
+    p.add_argument("--json", action="store_true", help="end with one JSON object")
+    p.set_defaults(func=main)
