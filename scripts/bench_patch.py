@@ -1,0 +1,189 @@
+"""Benchmark of the llama.cpp patch: certificate overhead, decode speed after compaction, compaction time.
+
+Prints both sides of every ratio (the issue's performance section):
+
+1. certificate + importance on vs off, decode at ``--cells`` live cells (default 4096);
+2. decode speed of a ``--big``-token cache (default 16384) evicted to ``--live`` cells (default 1638)
+   and compacted, against the same full cache;
+3. the time of that compaction.
+
+Timing on a shared machine is noisy, so the two sides of each comparison are measured as
+interleaved pairs of single decode steps (same moment, same contention) and the script
+reports the medians of both sides, their ratio and the median of the per-pair ratios.
+Every decode step is rolled back with ``seq_rm`` so the cache size stays fixed.
+``--timer cpu`` measures process CPU time instead of wall time: with ``--threads 1`` it is the
+least contention-sensitive view of the work each side does (with more threads, ggml's
+spinning barriers count as CPU time too).
+
+    CERTCHAT_NATIVE_LIB_DIR=... python scripts/bench_patch.py --model qwen2.5-coder-0.5b.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from native import llama, patched  # noqa: E402
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(200, 8000, size=n)]
+
+
+def _prefill(ctx: llama.Context, toks: list[int], n_batch: int) -> float:
+    batch = llama.Batch(n_batch)
+    t0 = time.perf_counter()
+    for s in range(0, len(toks), n_batch):
+        chunk = toks[s : s + n_batch]
+        batch.set(chunk, list(range(s, s + len(chunk))), logits="last")
+        ctx.decode(batch)
+    batch.close()
+    return time.perf_counter() - t0
+
+
+TIMER = time.perf_counter
+
+
+class _Stepper:
+    """Decode one token at a fixed position and roll it back, timing the decode."""
+
+    def __init__(self, ctx: llama.Context, pos: int) -> None:
+        self.ctx = ctx
+        self.pos = pos
+        self.batch = llama.Batch(1)
+
+    def step(self, token: int) -> float:
+        self.batch.set([token], [self.pos], logits="last")
+        t0 = TIMER()
+        self.ctx.decode(self.batch)
+        self.ctx.logits()  # waits for the result like a sampler would
+        dt = TIMER() - t0
+        self.ctx.seq_rm(0, self.pos, -1)
+        return dt
+
+
+def _pairs(a: _Stepper, b: _Stepper, n: int, seed: int) -> tuple[list[float], list[float]]:
+    toks = _tokens(n + 1, seed)
+    a.step(toks[-1])  # graph builds and warm caches are not part of the measurement
+    b.step(toks[-1])
+    ta: list[float] = []
+    tb: list[float] = []
+    for i in range(n):
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        t1 = first.step(toks[i])
+        t2 = second.step(toks[i])
+        ta.append(t1 if first is a else t2)
+        tb.append(t2 if first is a else t1)
+    return ta, tb
+
+
+def _report(label_a: str, ta: list[float], label_b: str, tb: list[float]) -> None:
+    ma, mb = statistics.median(ta), statistics.median(tb)
+    paired = statistics.median(y / x for x, y in zip(ta, tb))
+    print(f"  {label_a:<34} {ma * 1e3:8.2f} ms/token  ({1 / ma:6.1f} tok/s)  min {min(ta) * 1e3:8.2f} ms")
+    print(f"  {label_b:<34} {mb * 1e3:8.2f} ms/token  ({1 / mb:6.1f} tok/s)  min {min(tb) * 1e3:8.2f} ms")
+    print(f"  ratio of medians {mb / ma:.3f}   median of paired ratios {paired:.3f}   pairs {len(ta)}")
+
+
+def _random_biases(ctx: llama.Context, n: int, seed: int) -> None:
+    # half the cells get a Hajek bias, as after an eviction round
+    rng = np.random.default_rng(seed)
+    pos = np.flatnonzero(rng.random(n) < 0.5).astype(np.int32)
+    patched.set_bias_pos(ctx.memory, 0, pos, rng.uniform(0.05, 3.0, size=len(pos)))
+
+
+def bench_certificate(model: llama.Model, args: argparse.Namespace) -> None:
+    n = args.cells
+    params = llama.ContextParams(n_ctx=n + 256, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads)
+    off = llama.Context(model, params)
+    on = llama.Context(model, params)
+    dt = _prefill(off, _tokens(n, 1), args.batch)
+    print(f"[certificate] prefilled {n} tokens in {dt:.1f} s ({n / dt:.1f} tok/s)")
+    on.set_seq_state(off.seq_state(0), 0)
+    for ctx in (off, on):
+        _random_biases(ctx, n, 2)
+    patched.set_attn_certificate(on.handle, True, args.window)
+    ta, tb = _pairs(_Stepper(off, n), _Stepper(on, n), args.pairs, 3)
+    d = patched.certificate_dims(on.handle)
+    print(f"  (certificate of the last step: {d.n_layer} layers x {d.n_head} heads x {d.n_rows} rows, n_kv {d.n_cells})")
+    _report("certificate + importance off", ta, "certificate + importance on", tb)
+    off.close()
+    on.close()
+
+
+def bench_compaction(model: llama.Model, args: argparse.Namespace) -> None:
+    n, live = args.big, args.live
+    params = llama.ContextParams(n_ctx=n + 256, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads)
+    full = llama.Context(model, params)
+    dt = _prefill(full, _tokens(n, 4), args.batch)
+    print(f"[compaction] prefilled {n} tokens in {dt:.1f} s ({n / dt:.1f} tok/s)")
+    small = llama.Context(model, params)
+    small.set_seq_state(full.seq_state(0), 0)
+
+    # keep 4 sinks, the last 256 tokens and a random sample of the rest; evict by runs of seq_rm
+    rng = np.random.default_rng(5)
+    middle = np.arange(4, n - 256)
+    kept = np.sort(rng.choice(middle, size=live - 4 - 256, replace=False))
+    keep = np.zeros(n, dtype=bool)
+    keep[:4] = True
+    keep[n - 256 :] = True
+    keep[kept] = True
+    t0 = time.perf_counter()
+    drop = np.flatnonzero(~keep)
+    starts = drop[np.r_[True, np.diff(drop) > 1]]
+    ends = drop[np.r_[np.diff(drop) > 1, True]] + 1
+    for s, e in zip(starts, ends):
+        small.seq_rm(0, int(s), int(e))
+    t_evict = time.perf_counter() - t0
+    extent_before = patched.extent(small.memory, 0)
+    t0 = time.perf_counter()
+    extent_after = patched.compact(small.handle, 0)
+    t_compact = time.perf_counter() - t0
+    print(f"  evicted {n - int(keep.sum())} of {n} cells in {len(starts)} seq_rm runs: {t_evict * 1e3:.1f} ms")
+    print(f"  compaction {n} -> {extent_after} cells (extent before {extent_before}): {t_compact * 1e3:.1f} ms"
+          f" [{'GPU' if args.gpu_layers else 'CPU'} KV buffers]")
+    ta, tb = _pairs(_Stepper(full, n), _Stepper(small, n), args.pairs, 6)
+    _report(f"full cache ({n} cells)", ta, f"evicted + compacted ({extent_after} cells)", tb)
+    ma, mb = statistics.median(ta), statistics.median(tb)
+    print(f"  speed-up {ma / mb:.2f}x ({1 / mb:.1f} vs {1 / ma:.1f} tok/s)")
+    full.close()
+    small.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True, help="GGUF file (the issue: qwen2.5-coder-0.5b)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--cells", type=int, default=4096, help="live cells for the certificate overhead")
+    ap.add_argument("--window", type=int, default=8, help="certificate rows (decode reports 1)")
+    ap.add_argument("--big", type=int, default=16384, help="full cache size for the compaction benchmark")
+    ap.add_argument("--live", type=int, default=1638, help="cells kept after eviction")
+    ap.add_argument("--pairs", type=int, default=40, help="interleaved decode pairs per comparison")
+    ap.add_argument("--gpu-layers", type=int, default=0, help="offload layers (and the KV cache) to the GPU")
+    ap.add_argument("--only", choices=["certificate", "compaction"], help="run one part")
+    ap.add_argument("--timer", choices=["wall", "cpu"], default="wall", help="wall clock or process CPU time")
+    args = ap.parse_args()
+
+    global TIMER
+    TIMER = time.process_time if args.timer == "cpu" else time.perf_counter
+
+    print(f"patch level {patched.patch_version()}, model {args.model.name}, {args.threads} threads, {args.timer} time")
+    model = llama.Model(args.model, n_gpu_layers=args.gpu_layers)
+    if args.only in (None, "certificate"):
+        bench_certificate(model, args)
+    if args.only in (None, "compaction"):
+        bench_compaction(model, args)
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
