@@ -1,0 +1,274 @@
+"""`certchat replay` and `certchat demo`: replay scripts under policies, merge shards, run the demo.
+
+Forms of ``replay`` (the work lives in ``agent.replay``):
+
+    certchat replay SCRIPT… [--policy …] [--budget 10%] [--seeds N] [--out DIR] [--json] [--shard i/n]
+    certchat replay --locomo FILE [--qa-category 1,2,4] [--max-sessions N] [--max-probes N]
+    certchat replay --conversation ID [--db PATH]
+    certchat replay --study attribution|gating|coverage …
+    certchat replay merge DIR… [--out DIR] [--json]
+    certchat replay convert-locomo FILE… --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+from typing import Any
+
+from agent import config as config_mod
+from agent import models, paths
+
+DEFAULT_POLICIES = "full,window,topk,random,poisson,poisson+gate"
+
+
+def _default_out(kind: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return paths.data_dir() / "replays" / f"{kind}-{stamp}"
+
+
+def _base_config(args: argparse.Namespace) -> config_mod.Config:
+    cfg = config_mod.load()
+    return cfg.replace(model=args.model, threads=args.threads, gpu_layers=getattr(args, "gpu_layers", None))
+
+
+def _emit(doc: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
+    from agent.replay import aggregate, report  # noqa: PLC0415
+
+    if args.json:
+        print(aggregate.json_line(doc["aggregate"]))
+        return
+    print(report.markdown_table(doc["aggregate"], doc["meta"]))
+    print(f"results: {out}", file=sys.stderr)
+
+
+def _load_scripts(args: argparse.Namespace) -> list[Any]:
+    from agent.replay import locomo, logged, script  # noqa: PLC0415
+
+    scripts = [script.load(p) for p in args.scripts]
+    if args.locomo:
+        options = locomo.Options(categories=locomo.parse_categories(args.qa_category),
+                                 max_sessions=args.max_sessions, max_probes=args.max_probes)
+        for path in args.locomo:
+            scripts += locomo.load(path, options)
+    if args.conversation is not None:
+        from memory_store.store import Store  # noqa: PLC0415
+
+        store = Store(args.db or paths.db_path(), create=False)
+        try:
+            scripts.append(logged.from_store(store, args.conversation))
+        finally:
+            store.close()
+    if not scripts:
+        raise _Usage("give SCRIPT files, --locomo FILE or --conversation ID (see `certchat replay --help`)")
+    return scripts
+
+
+class _Usage(ValueError):
+    """Wrong combination of arguments."""
+
+
+def _settings(args: argparse.Namespace, out: Path, policies: str | None = None) -> Any:
+    from agent.replay import batch, runner  # noqa: PLC0415
+    from agent.replay.report import command_line  # noqa: PLC0415
+
+    protocols = tuple(p.strip() for p in args.protocol.split(",") if p.strip())
+    return batch.Settings(
+        out=out, policies=runner.parse_policies(policies or args.policy), budgets=runner.parse_budgets(args.budget),
+        seeds=args.seeds, gate=args.gate, protocols=protocols, model=args.model, temperature=args.temperature,
+        max_tokens=args.max_tokens, n_ctx=args.n_ctx, threads=args.threads, shard=args.shard,
+        plots=not args.no_plots, progress=not args.no_progress, command=command_line(),
+        generate_fillers=args.generate_fillers)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    first = args.scripts[0] if args.scripts else None
+    if first == "merge" and not Path(first).exists():
+        return _cmd_merge(args)
+    if first == "convert-locomo" and not Path(first).exists():
+        return _cmd_convert(args)
+    from agent.replay import runner  # noqa: PLC0415
+
+    if args.seeds < 1:
+        raise _Usage("--seeds: must be at least 1")
+    runner.parse_policies(args.policy)  # flags first: a typo should not wait for a script to load
+    runner.parse_budgets(args.budget)
+    if args.study and args.from_results:
+        return _cmd_study_from(args)
+    scripts = _load_scripts(args)
+    if args.study:
+        from agent.replay import studies  # noqa: PLC0415
+
+        out = args.out or _default_out(f"study-{args.study}")
+        result = studies.run_study(args.study, scripts, _settings(args, out), _base_config(args))
+        print(studies.render(result) if not args.json else studies.json_line(result))
+        if args.write_calibration and args.study == "gating":
+            written = studies.write_calibration(studies.calibration_record(result, args.write_calibration))
+            print(f"calibration: {written}", file=sys.stderr)
+        return 0
+    from agent.replay import batch  # noqa: PLC0415
+
+    out = args.out or _default_out("replay")
+    doc = batch.run(scripts, _settings(args, out), _base_config(args))
+    _emit(doc, args, out)
+    return 0
+
+
+def _cmd_study_from(args: argparse.Namespace) -> int:
+    """Analyse results already on disk (no replay): attribution or gating."""
+    import json  # noqa: PLC0415
+
+    from agent.replay import aggregate, studies  # noqa: PLC0415
+
+    if args.study == "coverage":
+        raise _Usage("--from-results: the coverage study needs the model's tensors; run it without --from-results")
+    files = aggregate.result_files(args.from_results)
+    meta, runs = aggregate.merge([aggregate.read_results(f) for f in files])
+    result = studies.analyse(args.study, aggregate.results_document(meta, runs))
+    out = args.out or args.from_results[0]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"study-{args.study}.json"
+    path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(studies.render(result) if not args.json else studies.json_line(result))
+    print(f"study: {path}", file=sys.stderr)
+    if args.write_calibration:
+        written = studies.write_calibration(studies.calibration_record(result, args.write_calibration))
+        print(f"calibration: {written}", file=sys.stderr)
+    return 0
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from agent.replay import aggregate, batch  # noqa: PLC0415
+
+    dirs = [Path(p) for p in args.scripts[1:]]
+    if not dirs:
+        raise _Usage("replay merge: name the shard folders (or results files) to merge")
+    files = aggregate.result_files(dirs)
+    meta, runs = aggregate.merge([aggregate.read_results(f) for f in files])
+    out = args.out or dirs[0]
+    out.mkdir(parents=True, exist_ok=True)
+    doc = aggregate.write_results(out / "results.json", meta, runs)
+    batch.write_reports(doc, out, plots=not args.no_plots)
+    _emit(doc, args, out)
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from agent.replay import locomo, script  # noqa: PLC0415
+
+    files = [Path(p) for p in args.scripts[1:]] + list(args.locomo or [])
+    if not files or args.out is None:
+        raise _Usage("replay convert-locomo FILE… --out DIR")
+    options = locomo.Options(categories=locomo.parse_categories(args.qa_category),
+                             max_sessions=args.max_sessions, max_probes=args.max_probes)
+    for path in files:
+        for s in locomo.load(path, options):
+            written = script.save(s, args.out / f"{s.name}.jsonl")
+            print(f"{written}: {len(s.steps) - len(s.probes)} turns, {len(s.probes)} probes")
+    return 0
+
+
+def _cmd_demo_recall30(args: argparse.Namespace) -> int:
+    from agent.replay import batch, recall30, runner  # noqa: PLC0415
+    from agent.replay.report import command_line  # noqa: PLC0415
+
+    seeds = recall30.QUICK_SEEDS if args.quick else recall30.SEEDS
+    if args.regenerate_fixtures:
+        recall30.generate_fixtures(seeds, model=args.model or recall30.FIXTURE_MODEL, threads=args.threads,
+                                   log=lambda line: print(line, file=sys.stderr))
+        return 0
+    scripts = [recall30.load_fixture(s) for s in seeds]
+    out = args.out or _default_out("recall30" + ("-quick" if args.quick else ""))
+    settings = batch.Settings(
+        out=out, policies=runner.parse_policies(args.policy), budgets=runner.parse_budgets(args.budget),
+        seeds=1 if args.quick else args.seeds, gate=args.gate, model=args.model or recall30.FIXTURE_MODEL,
+        max_tokens=args.max_tokens, threads=args.threads, plots=not args.no_plots, progress=not args.no_progress,
+        generate_fillers=args.generate_fillers, command=command_line(),
+        extra_meta={"demo": "recall30", "quick": bool(args.quick),
+                    "fixtures": [str(recall30.fixture_path(s)) for s in seeds]})
+    doc = batch.run(scripts, settings, _base_config(args))
+    _emit(doc, args, out)
+    return 0
+
+
+def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int) -> None:
+    p.add_argument("--policy", default=policies,
+                   help=f"comma-separated: full, window, topk, random, poisson, poisson+gate (default {policies})")
+    p.add_argument("--budget", default="10%", help="KV budget(s), comma-separated: 10%% or 1024 (default 10%%)")
+    p.add_argument("--seeds", type=int, default=seeds, help="seeds 0…N−1 for the randomised policies")
+    p.add_argument("--gate", default="auto", help="gate threshold τ for poisson+gate, or 'auto' (calibrated)")
+    p.add_argument("--model", help="registry name or GGUF path (default: the configured model)")
+    p.add_argument("--out", type=Path, help="folder for results.json, table.md, plots and replay.db")
+    p.add_argument("--json", action="store_true", help="print the aggregate as one JSON object on the last line")
+    p.add_argument("--max-tokens", type=int, default=64, dest="max_tokens", help="longest generated answer")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--generate-fillers", action="store_true", dest="generate_fillers",
+                   help="also answer every scripted turn (then restore the script's reply), so the answer-phase "
+                        "certificate and confidence exist on fillers; the studies need it")
+    p.add_argument("--no-plots", action="store_true", dest="no_plots")
+    p.add_argument("--no-progress", action="store_true", dest="no_progress")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="replay conversation scripts under eviction policies and score recall",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scripts", nargs="*", metavar="SCRIPT",
+                   help="JSONL scripts (docs/REPLAY_FORMAT.md); or `merge DIR…`; or `convert-locomo FILE…`")
+    _add_run_flags(p, DEFAULT_POLICIES, 1)
+    p.add_argument("--protocol", default="multi-round",
+                   help="multi-round (evict after every turn), one-shot (evict once per probe), or both")
+    p.add_argument("--shard", help="run only shard i of n (i/n, 1-based); combine with `replay merge`")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
+    p.add_argument("--n-ctx", type=int, dest="n_ctx", help="KV cells (default: sized to the longest script)")
+    p.add_argument("--conversation", type=int, help="replay a logged conversation from the SQLite store")
+    p.add_argument("--db", type=Path, help="the store for --conversation (default: the configured one)")
+    p.add_argument("--locomo", type=Path, action="append", help="a LoCoMo JSON file (repeatable)")
+    p.add_argument("--qa-category", default="1,2,3,4", dest="qa_category",
+                   help="LoCoMo QA categories: 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop")
+    p.add_argument("--max-sessions", type=int, dest="max_sessions", help="LoCoMo: keep the first N sessions")
+    p.add_argument("--max-probes", type=int, dest="max_probes", help="LoCoMo: at most N questions, evenly spaced")
+    p.add_argument("--study", choices=("coverage", "attribution", "gating"),
+                   help="run a certificate study instead of a plain replay")
+    p.add_argument("--from-results", type=Path, action="append", dest="from_results",
+                   help="with --study attribution|gating: analyse these results folders instead of replaying")
+    p.add_argument("--write-calibration", metavar="STATISTIC", dest="write_calibration",
+                   help="with --study gating: save τ of this statistic (e.g. question.q) as the agent's default "
+                        "(agent/replay/fixtures/gate_calibration.json)")
+    p.set_defaults(func=_guard(_cmd_replay))
+
+    demo = sub.add_parser("demo", help="built-in demonstrations")
+    demo_sub = demo.add_subparsers(dest="demo_command", metavar="DEMO", required=True)
+    d = demo_sub.add_parser("recall30", help="thirty-turn recall at a 10%% budget: full, topk, poisson, gated")
+    _add_run_flags(d, "full,topk,poisson,poisson+gate", 3)
+    d.add_argument("--quick", action="store_true", help="two scenarios, one seed (a few minutes on 2 CPU cores)")
+    d.add_argument("--regenerate-fixtures", action="store_true", dest="regenerate_fixtures",
+                   help="regenerate the committed filler replies (full cache, greedy) and exit")
+    d.set_defaults(func=_guard(_cmd_demo_recall30), command="demo")
+
+
+def _guard(func: Any) -> Any:
+    """The known failure kinds as one-line errors, not tracebacks."""
+
+    def run(args: argparse.Namespace) -> int:
+        from agent.replay.aggregate import ResultsError  # noqa: PLC0415
+        from agent.replay.locomo import LocomoError  # noqa: PLC0415
+        from agent.replay.runner import RunError  # noqa: PLC0415
+        from agent.replay.script import ScriptError  # noqa: PLC0415
+        from agent.template import TemplateError  # noqa: PLC0415
+        from memory_store.errors import StoreError  # noqa: PLC0415
+        from native.llama import LlamaError  # noqa: PLC0415
+        from native.runtime import NativeNotBuilt  # noqa: PLC0415
+
+        try:
+            return int(func(args) or 0)
+        except (_Usage, ScriptError, LocomoError, RunError, ResultsError, FileNotFoundError, config_mod.ConfigError,
+                models.ModelError, StoreError, LlamaError, NativeNotBuilt, TemplateError) as err:
+            print(f"certchat {args.command}: {err}", file=sys.stderr)
+            return 1
+        except NotImplementedError as err:
+            print(f"certchat {args.command}: not available yet: {err}", file=sys.stderr)
+            return 1
+
+    return run

@@ -1,0 +1,7 @@
+"""Replays: conversation scripts run under every eviction policy, scored, aggregated, reported.
+
+``script`` reads the stable JSONL format (docs/REPLAY_FORMAT.md), ``locomo`` converts the
+LoCoMo benchmark to it, ``recall30`` builds the thirty-turn recall scenarios, ``runner``
+drives a ``ChatSession`` through a script, ``scoring`` judges answers, ``aggregate`` and
+``report`` turn results into JSON, Markdown and plots, ``studies`` analyses certificates.
+"""

@@ -1,0 +1,481 @@
+"""Certificate studies over replay results: attribution, gating (and calibration), coverage.
+
+- **attribution**: a probe the evicted run got wrong is *eviction-induced* when the full
+  cache got it right, *inherent* when the full cache failed too. How well does each
+  candidate statistic separate the two (ROC AUC), against output confidence (−mean log-prob)?
+- **gating**: at matched recompute rates, the recall a gate buys over no gate, for the
+  certificate statistics, random gating and confidence gating, and the ratio of the gains.
+  Gating a turn means answering it from the full history, so a gated probe scores what the
+  full-cache run scored (exact for independent probes and in the one-shot protocol; in the
+  multi-round protocol it ignores that a re-prefill also refreshes the cache for later
+  turns). Rates are counted over probes (all gates comparable) and over all turns (the
+  certificate against random: a gate also pays for every filler it fires on; confidence
+  needs a generated answer, which teacher-forced fillers do not have).
+- **calibration**: the default τ for a statistic — the smallest threshold whose gate rate
+  on filler turns stays at or below a target — with leave-one-script-out figures.
+- **coverage**: per (layer, head) cell, whether the certificate at nominal 1 − δ covers the
+  realized attention-output error; the cells come from :mod:`agent.replay.capture`.
+
+Every comparison is made within one budget and protocol (pooling budgets makes any
+statistic look good by tracking the budget, DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+RATES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
+FILLER_TARGET = 0.1
+"""Calibration target: the default τ lets the gate fire on at most this share of filler turns."""
+
+
+# -- statistics --------------------------------------------------------------------------
+def auc(positive: Iterable[float], negative: Iterable[float]) -> float | None:
+    """ROC AUC = P(score of a positive > score of a negative), ties counting one half."""
+    pos = np.asarray([p for p in positive if p is not None and math.isfinite(p)], dtype=np.float64)
+    neg = np.asarray([n for n in negative if n is not None and math.isfinite(n)], dtype=np.float64)
+    if len(pos) == 0 or len(neg) == 0:
+        return None
+    scores = np.concatenate([pos, neg])
+    ranks = _rank(scores)
+    return float((ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+def _rank(x: np.ndarray) -> np.ndarray:
+    """Average ranks from 1 (ties share their mean rank)."""
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=np.float64)
+    sx = x[order]
+    i = 0
+    while i < len(x):
+        j = i
+        while j + 1 < len(x) and sx[j + 1] == sx[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def auc_ci(positive: list[float], negative: list[float], n_boot: int = 1000,
+           seed: int = 0) -> tuple[float | None, float | None]:
+    """Percentile bootstrap 95% interval of the AUC (resampling each class)."""
+    pos = [p for p in positive if p is not None and math.isfinite(p)]
+    neg = [n for n in negative if n is not None and math.isfinite(n)]
+    if len(pos) < 2 or len(neg) < 2:
+        return None, None
+    rng = np.random.default_rng(seed)
+    p, n = np.asarray(pos), np.asarray(neg)
+    values = [auc(rng.choice(p, len(p)), rng.choice(n, len(n))) for _ in range(n_boot)]
+    arr = np.asarray([v for v in values if v is not None])
+    return float(np.quantile(arr, 0.025)), float(np.quantile(arr, 0.975))
+
+
+def spearman(x: Iterable[float], y: Iterable[float]) -> float | None:
+    a, b = np.asarray(list(x), dtype=np.float64), np.asarray(list(y), dtype=np.float64)
+    if len(a) < 3 or np.all(a == a[0]) or np.all(b == b[0]):
+        return None
+    ra, rb = _rank(a), _rank(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+# -- pairing evicted runs with the full-cache reference ---------------------------------
+def statistics_of(step: dict[str, Any]) -> dict[str, float]:
+    """Every candidate gate statistic of a step: the turn certificate and the question./answer. details."""
+    out: dict[str, float] = {}
+    if step.get("certificate") is not None:
+        out["turn"] = float(step["certificate"])
+    for key, value in (step.get("certificate_detail") or {}).items():
+        if not key.startswith(("question.", "answer.")):
+            continue  # counts and per-layer lists are not gate statistics
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+def _full_index(runs: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """(script, protocol, turn·line) → the full-cache run's step (full is seed- and budget-free)."""
+    index: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for run in runs:
+        if run["policy"].split("@", 1)[0] != "full":
+            continue
+        for step in run["steps"]:
+            index[(run["script"], run.get("protocol", "multi-round"), step["lineno"])] = step
+    return index
+
+
+def paired_steps(doc: dict[str, Any], policies: tuple[str, ...] = ("topk", "random", "poisson", "window"),
+                 ) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    """(policy, budget, protocol) → steps of the ungated evicted runs, each with its full-cache twin."""
+    full = _full_index(doc["runs"])
+    if not full:
+        raise ValueError("the studies need a `full` run of the same scripts (add full to --policy)")
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for run in doc["runs"]:
+        if run["policy"].split("@", 1)[0] not in policies:
+            continue
+        protocol = run.get("protocol", "multi-round")
+        for step in run["steps"]:
+            twin = full.get((run["script"], protocol, step["lineno"]))
+            if twin is None:
+                continue
+            groups[(run["policy"], run["budget"], protocol)].append(
+                {**step, "script": run["script"], "seed": run["seed"], "full": twin})
+    return dict(groups)
+
+
+# -- attribution ---------------------------------------------------------------------------
+def attribution(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (policy, budget, protocol): AUC of each statistic and of −log-prob for induced vs inherent."""
+    rows = []
+    for (policy, budget, protocol), steps in sorted(paired_steps(doc).items()):
+        fails = [s for s in steps if s["kind"] == "probe" and s.get("correct") is False
+                 and s["full"].get("correct") is not None]
+        induced = [s for s in fails if s["full"]["correct"]]
+        inherent = [s for s in fails if not s["full"]["correct"]]
+        names = sorted({k for s in fails for k in statistics_of(s)})
+        stats = {}
+        for name in names:
+            pos = [statistics_of(s).get(name) for s in induced]
+            neg = [statistics_of(s).get(name) for s in inherent]
+            lo, hi = auc_ci(pos, neg)
+            stats[name] = {"auc": auc(pos, neg), "ci95": [lo, hi]}
+        conf_pos = [-s["logprob_mean"] for s in induced if s.get("logprob_mean") is not None]
+        conf_neg = [-s["logprob_mean"] for s in inherent if s.get("logprob_mean") is not None]
+        lo, hi = auc_ci(conf_pos, conf_neg)
+        rows.append({"policy": policy, "budget": budget, "protocol": protocol, "n_failures": len(fails),
+                     "n_induced": len(induced), "n_inherent": len(inherent), "statistics": stats,
+                     "confidence": {"auc": auc(conf_pos, conf_neg), "ci95": [lo, hi]}})
+    return rows
+
+
+# -- gating ----------------------------------------------------------------------------------
+def _gate_curve(probes: list[dict[str, Any]], scores: list[float | None], pool: list[float | None],
+                rates: tuple[float, ...]) -> list[dict[str, Any]]:
+    """Recall when the top ``rate`` of ``pool`` by score is gated.
+
+    Items tied at the threshold are gated with the probability that fills the rate exactly
+    (the expectation of breaking ties at random), so every gate is compared at the same rate.
+    """
+    values = np.asarray([-math.inf if p is None or not math.isfinite(p) else p for p in pool], dtype=np.float64)
+    out = []
+    for rate in rates:
+        k = int(round(rate * len(pool)))
+        if len(pool) == 0 or k == 0 or not np.isfinite(values).any():
+            out.append({"rate": rate, "threshold": None, "recall": None, "realized_rate": None})
+            continue
+        tau = float(np.sort(values)[::-1][k - 1])
+        if not math.isfinite(tau):
+            tau = float(values[np.isfinite(values)].min())
+        above = int((values > tau).sum())
+        tied = int((values == tau).sum())
+        share = min(1.0, (k - above) / tied) if tied else 0.0
+
+        def weight(sc: float | None) -> float:
+            if sc is None or not math.isfinite(sc):
+                return 0.0
+            return 1.0 if sc > tau else share if sc == tau else 0.0
+
+        recall = float(np.mean([weight(sc) * bool(p["full"]["correct"]) + (1 - weight(sc)) * bool(p["correct"])
+                                for p, sc in zip(probes, scores)]))
+        realized = (above + share * tied) / len(pool)
+        out.append({"rate": rate, "threshold": tau, "tie_share": share, "recall": recall,
+                    "realized_rate": realized})
+    return out
+
+
+def _confidence(step: dict[str, Any]) -> float | None:
+    """Output uncertainty: −mean log-prob of the generated answer (None for teacher-forced turns)."""
+    return -step["logprob_mean"] if step.get("logprob_mean") is not None else None
+
+
+def _ratios(curve: list[dict[str, Any]], random_curve: list[dict[str, Any]], base: float) -> list[float | None]:
+    out = []
+    for point, rnd in zip(curve, random_curve):
+        gain_r = rnd["recall"] - base
+        out.append(None if point["recall"] is None or gain_r <= 0 else (point["recall"] - base) / gain_r)
+    return out
+
+
+def gating(doc: dict[str, Any], rates: tuple[float, ...] = RATES) -> list[dict[str, Any]]:
+    """Per (policy, budget, protocol) of the evicting designs: recall against recompute rate for each gate.
+
+    The recompute rate counts every user turn (a gate pays for each filler it fires on);
+    ``over_probes`` counts probes only (which probes a gate picks, ignoring filler cost).
+    Random gating at rate r recomputes each turn with probability r.
+    """
+    rows = []
+    for (policy, budget, protocol), steps in sorted(paired_steps(doc, ("poisson", "random", "topk")).items()):
+        probes = [s for s in steps if s["kind"] == "probe" and s.get("correct") is not None
+                  and s["full"].get("correct") is not None]
+        if not probes:
+            continue
+        fillers = [s for s in steps if s["kind"] == "filler"]
+        base = float(np.mean([bool(p["correct"]) for p in probes]))
+        full = float(np.mean([bool(p["full"]["correct"]) for p in probes]))
+        random_curve = [{"rate": r, "recall": float(np.mean([r * bool(p["full"]["correct"])
+                                                             + (1 - r) * bool(p["correct"]) for p in probes]))}
+                        for r in rates]
+        gates: dict[str, tuple[list[float | None], list[float | None]]] = {}
+        for name in sorted({k for s in steps for k in statistics_of(s)}):
+            gates[name] = ([statistics_of(p).get(name) for p in probes], [statistics_of(s).get(name) for s in steps])
+        gates["confidence"] = ([_confidence(p) for p in probes], [_confidence(s) for s in steps])
+        stats = {}
+        for name, (probe_scores, turn_scores) in gates.items():
+            # a gate that cannot be computed on some turns (forced fillers have no answer) is not
+            # comparable at a turn rate: say so instead of counting those turns as quiet
+            turn_complete = all(v is not None for v in turn_scores)
+            over_probes = _gate_curve(probes, probe_scores, probe_scores, rates)
+            over_turns = _gate_curve(probes, probe_scores, turn_scores, rates) if turn_complete else []
+            vals = [statistics_of(f).get(name) if name != "confidence" else _confidence(f) for f in fillers]
+            for point in over_turns:
+                tau = point["threshold"]
+                point["filler_rate"] = None if tau is None or not vals else float(np.mean(
+                    [0.0 if v is None else 1.0 if v > tau else point["tie_share"] if v == tau else 0.0
+                     for v in vals]))
+            stats[name] = {
+                "over_probes": over_probes, "over_turns": over_turns,
+                "gain_ratio_vs_random": _ratios(over_turns, random_curve, base) if over_turns else None,
+                "gain_ratio_vs_random_over_probes": _ratios(over_probes, random_curve, base),
+                "auc_probe_vs_filler": auc(probe_scores, vals) if vals else None,
+                "auc_induced_vs_rest": auc([sc for p, sc in zip(probes, probe_scores)
+                                            if p["full"]["correct"] and not p["correct"]],
+                                           [sc for p, sc in zip(probes, probe_scores)
+                                            if not (p["full"]["correct"] and not p["correct"])]),
+            }
+        rows.append({"policy": policy, "budget": budget, "protocol": protocol, "n_probes": len(probes),
+                     "n_fillers": len(fillers), "n_turns": len(steps), "recall_no_gate": base, "recall_full": full,
+                     "random": random_curve, "statistics": stats})
+    return rows
+
+
+def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budget: str | None = None,
+              protocol: str = "multi-round", filler_target: float = FILLER_TARGET) -> dict[str, Any]:
+    """τ for ``statistic``: the smallest threshold with filler gate rate ≤ target; leave-one-script-out too."""
+    groups = paired_steps(doc, (policy.split("@", 1)[0],))
+    keys = [k for k in groups if k[0] == policy and k[2] == protocol and (budget is None or k[1] == budget)]
+    if not keys:
+        raise ValueError(f"no {policy} runs{' at ' + budget if budget else ''} ({protocol}) to calibrate on")
+    steps = [s for k in keys for s in groups[k]]
+
+    def tau_for(sample: list[dict[str, Any]]) -> float | None:
+        vals = sorted((statistics_of(s).get(statistic) for s in sample if s["kind"] == "filler"),
+                      key=lambda v: -math.inf if v is None else v)
+        vals = [v for v in vals if v is not None]
+        if not vals:
+            return None
+        # the gate fires when value ≥ τ: put τ just above the (1 − target) quantile of the fillers
+        allowed = int(math.floor(filler_target * len(vals)))
+        cut = vals[len(vals) - allowed - 1]
+        return float(np.nextafter(cut, math.inf))
+
+    def apply(sample: list[dict[str, Any]], tau: float | None) -> dict[str, Any]:
+        probes = [s for s in sample if s["kind"] == "probe" and s.get("correct") is not None]
+        fillers = [s for s in sample if s["kind"] == "filler"]
+
+        def fired(s: dict[str, Any]) -> bool:
+            v = statistics_of(s).get(statistic)
+            return tau is not None and v is not None and v >= tau
+
+        return {"recall": float(np.mean([bool(p["full"]["correct"]) if fired(p) else bool(p["correct"])
+                                         for p in probes])) if probes else None,
+                "probe_gate_rate": float(np.mean([fired(p) for p in probes])) if probes else None,
+                "filler_gate_rate": float(np.mean([fired(f) for f in fillers])) if fillers else None,
+                "turn_gate_rate": float(np.mean([fired(s) for s in sample])) if sample else None}
+
+    tau = tau_for(steps)
+    scripts = sorted({s["script"] for s in steps})
+    held_out = []
+    if len(scripts) > 1:
+        for name in scripts:
+            train = [s for s in steps if s["script"] != name]
+            test = [s for s in steps if s["script"] == name]
+            t = tau_for(train)
+            held_out.append({"script": name, "tau": t, **apply(test, t)})
+    return {"statistic": statistic, "policy": policy, "budgets": sorted({k[1] for k in keys}),
+            "protocol": protocol, "filler_target": filler_target, "tau": tau, "in_sample": apply(steps, tau),
+            "leave_one_script_out": held_out}
+
+
+# -- coverage --------------------------------------------------------------------------------
+def coverage(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Coverage at the nominal level, Spearman(certificate, error), per-layer breakdown.
+
+    Each cell: ``{"layer", "head", "certificate", "error", "relative"?}`` — the certificate
+    at nominal 1 − δ (absolute) and the realized ‖ô − o‖ for the same query.
+    """
+    if not cells:
+        raise ValueError("no coverage cells")
+    cert = np.asarray([c["certificate"] for c in cells], dtype=np.float64)
+    err = np.asarray([c["error"] for c in cells], dtype=np.float64)
+    covered = err <= cert
+    layers: dict[int, list[bool]] = defaultdict(list)
+    for c, ok in zip(cells, covered):
+        layers[int(c["layer"])].append(bool(ok))
+    return {"n_cells": len(cells), "coverage": float(covered.mean()), "spearman": spearman(cert, err),
+            "per_layer": {str(k): float(np.mean(v)) for k, v in sorted(layers.items())},
+            "median_ratio_error_to_certificate": float(np.median(err / np.maximum(cert, 1e-30)))}
+
+
+# -- running and rendering -----------------------------------------------------------------
+def analyse(name: str, doc: dict[str, Any]) -> dict[str, Any]:
+    meta = doc["meta"]
+    if name == "attribution":
+        return {"study": name, "meta": meta, "rows": attribution(doc)}
+    if name == "gating":
+        rows = gating(doc)
+        calibrations = []
+        for row in rows:
+            if row["policy"].split("@", 1)[0] != "poisson":
+                continue
+            for statistic in row["statistics"]:
+                if statistic == "confidence":
+                    continue  # needs the answer; not a gate statistic the agent computes
+                try:
+                    calibrations.append(calibrate(doc, statistic, row["policy"], row["budget"], row["protocol"]))
+                except ValueError:
+                    continue
+        # one τ for every budget (the agent has one default): pooled over the budgets measured
+        sampled = [r for r in rows if r["policy"].split("@", 1)[0] == "poisson"]
+        for policy, protocol in sorted({(r["policy"], r["protocol"]) for r in sampled}):
+            mine = [r for r in sampled if r["policy"] == policy and r["protocol"] == protocol]
+            if len({r["budget"] for r in mine}) > 1:
+                for statistic in sorted({n for r in mine for n in r["statistics"]} - {"confidence"}):
+                    calibrations.append(calibrate(doc, statistic, policy, None, protocol))
+        return {"study": name, "meta": meta, "rows": rows, "calibration": calibrations}
+    raise ValueError(f"unknown study {name!r}")
+
+
+CALIBRATION_FILE = Path(__file__).parent / "fixtures" / "gate_calibration.json"
+
+
+def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "multi-round") -> dict[str, Any]:
+    """The default-τ record for the agent: the pooled (or only) calibration of ``statistic``."""
+    matches = [c for c in result.get("calibration", []) if c["statistic"] == statistic and c["protocol"] == protocol
+               and c["policy"] == "poisson"]
+    if not matches:
+        raise ValueError(f"no calibration of {statistic} ({protocol}) in this study")
+    best = max(matches, key=lambda c: len(c["budgets"]))
+    return {"statistic": statistic, "tau": best["tau"], "filler_target": best["filler_target"],
+            "budgets": best["budgets"], "protocol": protocol, "in_sample": best["in_sample"],
+            "leave_one_script_out": best["leave_one_script_out"],
+            "model": result["meta"].get("model"), "command": result["meta"].get("command"),
+            "machine": result["meta"].get("machine")}
+
+
+def write_calibration(record: dict[str, Any], path: Path = CALIBRATION_FILE) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def run_study(name: str, scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]:
+    """Replay what the study needs (full + ungated designs, both protocols), then analyse."""
+    from agent.replay import batch  # noqa: PLC0415
+
+    if name == "coverage":
+        try:
+            from agent.replay import capture  # noqa: PLC0415
+        except ModuleNotFoundError as err:
+            if err.name != "agent.replay.capture":
+                raise
+            from agent.replay.runner import RunError  # noqa: PLC0415
+
+            raise RunError("the coverage study needs per-(layer, head) certificate reads and the full-cache "
+                           "attention output from the patched library; not available in this build") from None
+        result = capture.run_coverage(scripts, settings, base)
+    else:
+        needed = ["full", "topk", "random", "poisson"] if name == "attribution" else ["full", "random", "poisson"]
+        settings.policies = list(dict.fromkeys(["full", *[p for p in settings.policies if p in needed]]))
+        if settings.policies == ["full"]:
+            settings.policies = needed
+        if settings.protocols == ("multi-round",):
+            settings.protocols = ("multi-round", "one-shot")
+        settings.generate_fillers = True
+        doc = batch.run(scripts, settings, base)
+        result = analyse(name, doc)
+    path = Path(settings.out) / f"study-{name}.json"
+    path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    result["path"] = str(path)
+    return result
+
+
+def _f(v: Any, digits: int = 2) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def render(result: dict[str, Any]) -> str:
+    """A study as Markdown."""
+    from agent.replay.report import provenance  # noqa: PLC0415
+
+    lines: list[str] = []
+    study = result["study"]
+    if study == "attribution":
+        lines += ["| policy | budget | protocol | failures (induced / inherent) | best statistic (AUC [95% CI]) "
+                  "| all statistics | −log-prob AUC |", "|---|---|---|---|---|---|---|"]
+        for r in result["rows"]:
+            stats = {k: v for k, v in r["statistics"].items() if v["auc"] is not None}
+            best = max(stats.items(), key=lambda kv: kv[1]["auc"], default=None)
+            best_text = (f"{best[0]} {_f(best[1]['auc'])} [{_f(best[1]['ci95'][0])}, {_f(best[1]['ci95'][1])}]"
+                         if best else "—")
+            every = ", ".join(f"{k} {_f(v['auc'])}" for k, v in stats.items()) or "—"
+            conf = r["confidence"]
+            lines.append(f"| {r['policy']} | {r['budget']} | {r['protocol']} | {r['n_failures']} "
+                         f"({r['n_induced']} / {r['n_inherent']}) | {best_text} | {every} | {_f(conf['auc'])} |")
+    elif study == "gating":
+        lines += ["Recompute rate r counts every user turn; the gain ratio is (recall gated − recall ungated) / "
+                  "(the same for random gating at r). 'over probes' ignores the cost of firing on fillers.", "",
+                  "| policy | budget | protocol | recall no gate → full | gate | probe-vs-filler AUC "
+                  "| gain ratio at r = 10 / 25 / 50% | recall at r = 25% (filler rate) | ratio over probes at 25% |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in result["rows"]:
+            idx = [RATES.index(x) for x in (0.1, 0.25, 0.5) if x in RATES]
+            i25 = RATES.index(0.25) if 0.25 in RATES else None
+            for name, s in r["statistics"].items():
+                ratios = " / ".join(_f(s["gain_ratio_vs_random"][i]) for i in idx) if s["gain_ratio_vs_random"] \
+                    else "n/a (not on every turn)"
+                at = s["over_turns"][i25] if s["over_turns"] and i25 is not None else None
+                at_text = f"{_f(at['recall'])} ({_f(at.get('filler_rate'))})" if at else "—"
+                over_p = _f(s["gain_ratio_vs_random_over_probes"][i25]) if i25 is not None else "—"
+                lines.append(f"| {r['policy']} | {r['budget']} | {r['protocol']} | {_f(r['recall_no_gate'])} → "
+                             f"{_f(r['recall_full'])} | {name} | {_f(s['auc_probe_vs_filler'])} | {ratios} "
+                             f"| {at_text} | {over_p} |")
+        if result.get("calibration"):
+            lines += ["", "Calibration (τ: filler gate rate ≤ target; leave-one-script-out mean):", "",
+                      "| statistic | budget | protocol | τ | recall | probe gate rate | filler gate rate "
+                      "| held-out recall / filler rate |", "|---|---|---|---|---|---|---|---|"]
+            for c in result["calibration"]:
+                ho = c["leave_one_script_out"]
+                ho_recall = [h["recall"] for h in ho if h["recall"] is not None]
+                ho_filler = [h["filler_gate_rate"] for h in ho if h["filler_gate_rate"] is not None]
+                ho_text = (f"{_f(float(np.mean(ho_recall)))} / {_f(float(np.mean(ho_filler)))}"
+                           if ho_recall and ho_filler else "—")
+                ins = c["in_sample"]
+                lines.append(f"| {c['statistic']} | {', '.join(c['budgets'])} | {c['protocol']} | {_f(c['tau'], 4)} "
+                             f"| {_f(ins['recall'])} | {_f(ins['probe_gate_rate'])} | {_f(ins['filler_gate_rate'])} "
+                             f"| {ho_text} |")
+    elif study == "coverage":
+        c = result["coverage"]
+        lines += [f"Protocol: {result.get('protocol')}; {result.get('draws')} draws of the design per probe.", "",
+                  f"Coverage at nominal {result.get('nominal', 0.95):.0%} ({result.get('design')}, F-form, cluster "
+                  f"variance): {c['coverage']:.3f} over {c['n_cells']} cells; Spearman(certificate, error) "
+                  f"{_f(c['spearman'])}.", "",
+                  "| design | certificate form | cells | coverage | Spearman | median error / certificate |",
+                  "|---|---|---|---|---|---|"]
+        for label, forms in result.get("by_design", {"": result.get("forms", {})}).items():
+            for form, v in forms.items():
+                lines.append(f"| {label} | {form} | {v['n_cells']} | {v['coverage']:.3f} | {_f(v['spearman'])} "
+                             f"| {_f(v['median_ratio_error_to_certificate'])} |")
+        lines += ["", "Per layer (first design, F-form):", "", "| layer | coverage |", "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in c["per_layer"].items()]
+    lines += ["", provenance(result["meta"])]
+    return "\n".join(lines) + "\n"
+
+
+def json_line(result: dict[str, Any]) -> str:
+    return json.dumps(result, ensure_ascii=False)

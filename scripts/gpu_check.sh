@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# GPU check of certchat's llama.cpp patch: build the patched tree with CUDA and run the patch tests
+# on the GPU (tests/test_patch_gpu.py, marker `gpu`).
+#
+# A lent GPU machine reaches no registry and only 64 MiB travel there, so the inputs are prepared
+# here first, into build/gpu-check/ (git-ignored; pass it as `carry`):
+#   llama-src.tar.gz      the pristine llama.cpp parts a `llama` build needs (~6 MB); the patches
+#                         themselves travel as tracked files (native/patches/*.patch)
+#   site-packages.tar.gz  numpy, llama_cpp (Python bindings), pytest and what they import (~30 MB)
+#   tiny-qwen2-f16.gguf, tiny-qwen2-f32.gguf   random-weights models (scripts/make_tiny_gguf.py)
+#
+#   scripts/gpu_check.sh prepare            here, no GPU needed
+#   scripts/gpu_check.sh build              on the GPU machine: apply the patches, CUDA build (~5-8 min, 16 cores)
+#   scripts/gpu_check.sh test               on the GPU machine: pytest -m gpu (~1 min)
+#   scripts/gpu_check.sh all                build + test
+#   scripts/gpu_check.sh configure          dry run of `build` without compiling (works without a GPU)
+#
+# Environment: CUDA_ARCH (default 90, the H100/H200), CERTCHAT_LLAMA_SRC (pristine tree to pack;
+# default: the tree native/build.py extracted from the sdist), PYTHON (default python3).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$ROOT/build/gpu-check"
+PYTHON="${PYTHON:-python3}"
+CUDA_ARCH="${CUDA_ARCH:-90}"
+JOBS="$(nproc)"
+
+die() { echo "gpu_check: $*" >&2; exit 1; }
+stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+
+prepare() {
+    local venv_py="$ROOT/.venv/bin/python"
+    [[ -x "$venv_py" ]] || die "no project venv at $ROOT/.venv"
+    local src="${CERTCHAT_LLAMA_SRC:-}"
+    if [[ -z "$src" ]]; then
+        src="$(ls -d "${HOME}"/.cache/certchat/native/src/llama.cpp-* 2>/dev/null | head -1 || true)"
+    fi
+    [[ -n "$src" && -f "$src/CMakeLists.txt" ]] || die "no pristine llama.cpp tree: run \`certchat build\` once or set CERTCHAT_LLAMA_SRC"
+    mkdir -p "$OUT"
+    stamp "packing the pristine llama.cpp tree from $src"
+    tar czf "$OUT/llama-src.tar.gz" -C "$src" --exclude=.git --exclude=.complete .
+    stamp "writing the tiny models"
+    "$venv_py" "$ROOT/scripts/make_tiny_gguf.py" qwen2 "$OUT/tiny-qwen2-f16.gguf" --dtype f16
+    "$venv_py" "$ROOT/scripts/make_tiny_gguf.py" qwen2 "$OUT/tiny-qwen2-f32.gguf" --dtype f32
+    stamp "packing the Python packages the tests import"
+    local site
+    site="$("$venv_py" -c 'import numpy, os; print(os.path.dirname(os.path.dirname(numpy.__file__)))')"
+    local pkgs=()
+    for p in numpy numpy.libs llama_cpp _pytest pytest py.py pluggy iniconfig packaging diskcache jinja2 markupsafe \
+             typing_extensions.py pytest_timeout.py tomli platformdirs; do
+        [[ -e "$site/$p" ]] && pkgs+=("$p")
+    done
+    tar czf "$OUT/site-packages.tar.gz" -C "$site" --exclude=__pycache__ "${pkgs[@]}"
+    "$venv_py" -c 'import sys; print(f"python {sys.version_info.major}.{sys.version_info.minor}")' > "$OUT/python-version"
+    du -ch "$OUT"/*.tar.gz "$OUT"/*.gguf | tail -1 | sed 's/^/  carry total: /'
+    local bytes
+    bytes=$(du -cb "$OUT"/*.tar.gz "$OUT"/*.gguf "$OUT"/python-version | tail -1 | cut -f1)
+    (( bytes < 60 * 1024 * 1024 )) || die "the carried files exceed 60 MiB ($bytes bytes)"
+    stamp "ready: carry build/gpu-check"
+}
+
+configure_tree() {
+    [[ -f "$OUT/llama-src.tar.gz" ]] || die "build/gpu-check/llama-src.tar.gz is missing: run \`$0 prepare\` where the project is set up"
+    rm -rf "$OUT/src"
+    mkdir -p "$OUT/src"
+    tar xzf "$OUT/llama-src.tar.gz" -C "$OUT/src"
+    for p in "$ROOT"/native/patches/*.patch; do
+        (cd "$OUT/src" && git apply --whitespace=nowarn -p1 "$p") || die "patch $(basename "$p") does not apply"
+        stamp "applied $(basename "$p")"
+    done
+    local gen=()
+    command -v ninja > /dev/null && gen=(-G Ninja)
+    cmake -S "$OUT/src" -B "$OUT/cuda" "${gen[@]}" \
+        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DGGML_CCACHE=OFF \
+        -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON '-DCMAKE_BUILD_RPATH=$ORIGIN' \
+        -DGGML_CUDA=ON -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH" \
+        > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; die "cmake configure failed (log: build/gpu-check/configure.log)"; }
+    stamp "configured (CUDA arch $CUDA_ARCH; flash-attention kernels off: the certificate does not use them)"
+}
+
+build() {
+    local t0=$SECONDS
+    configure_tree
+    stamp "building libllama with CUDA, $JOBS jobs"
+    cmake --build "$OUT/cuda" --target llama -j "$JOBS" > "$OUT/build.log" 2>&1 \
+        || { tail -40 "$OUT/build.log"; die "CUDA build failed (log: build/gpu-check/build.log)"; }
+    rm -rf "$OUT/lib"
+    mkdir -p "$OUT/lib"
+    find "$OUT/cuda" -name 'lib*.so*' -exec cp -P {} "$OUT/lib/" \;
+    stamp "built in $((SECONDS - t0)) s: $(ls "$OUT/lib" | tr '\n' ' ')"
+}
+
+run_tests() {
+    [[ -f "$OUT/lib/libllama.so" ]] || die "no CUDA build in build/gpu-check/lib: run \`$0 build\` first"
+    local want have
+    want="$(cat "$OUT/python-version")"
+    have="$("$PYTHON" -c 'import sys; print(f"python {sys.version_info.major}.{sys.version_info.minor}")')"
+    [[ "$want" == "$have" ]] || die "the packed site-packages are for $want, this machine runs $have (set PYTHON=...)"
+    if [[ ! -d "$OUT/py/numpy" ]]; then
+        mkdir -p "$OUT/py"
+        tar xzf "$OUT/site-packages.tar.gz" -C "$OUT/py"
+    fi
+    command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    stamp "running the GPU tests"
+    (cd "$ROOT" && \
+        PYTHONPATH="$ROOT:$OUT/py" CERTCHAT_NATIVE_LIB_DIR="$OUT/lib" CERTCHAT_TINY_GGUF_DIR="$OUT" \
+        "$PYTHON" -m pytest -q -m gpu tests/test_patch_gpu.py -p no:cacheprovider -o addopts="-ra" "$@")
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    configure) configure_tree ;;
+    build) build ;;
+    test) shift; run_tests "$@" ;;
+    all) build; run_tests ;;
+    *) sed -n '2,22p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,247 @@
+"""The runner and the CLI on the real small model and a real SQLite log (policy `full`).
+
+Other policies run through the same code; until the eviction API lands they raise
+NotImplementedError in the cache manager, which the last test pins down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from agent import cli_replay
+from agent.config import Config
+from agent.engine import Engine, EngineSettings
+from agent.replay import batch, runner, script
+from agent.replay.runner import Job, Runner
+from agent.replay.replay_store import ReplayStore
+from memory_store.records import EvictionRound
+from memory_store.store import Store
+
+LINES = [
+    {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."},
+    {"role": "user", "content": "My locker code is 4172. Please remember it."},
+    {"role": "assistant", "content": "Got it: your locker code is 4172."},
+    {"role": "user", "content": "Say hello."},
+    {"role": "user", "content": "What is my locker code?", "probe": {"expect": ["4172"], "fact_turn": 1}},
+    {"role": "assistant", "content": "Your locker code is 4172."},
+    {"role": "user", "content": "Repeat my locker code.", "probe": {"expect": ["4172"], "fact_turn": 1},
+     "independent": True},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "You're welcome."},
+]
+
+
+@pytest.fixture(scope="module")
+def engine(small_model: Path):
+    eng = Engine(EngineSettings(model_path=small_model, n_ctx=1024, n_batch=256, threads=1))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture()
+def tiny(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in LINES) + "\n", encoding="utf-8")
+    return path
+
+
+def _runner(engine: Engine, tmp_path: Path) -> Runner:
+    cfg = Config(model="smollm2-135m", n_ctx=1024, max_tokens=16, threads=1)
+    return Runner(cfg, engine, "smollm2-135m", ReplayStore(tmp_path / "replay.db"))
+
+
+def test_a_script_replays_with_the_same_history_for_every_policy(engine: Engine, tmp_path: Path, tiny: Path) -> None:
+    s = script.load(tiny)
+    r = _runner(engine, tmp_path)
+    run = r.run(Job(s.name, "full", "100%", 0), s)
+    steps = run["steps"]
+    assert [x["kind"] for x in steps] == ["fact", "filler", "probe", "probe", "filler"]
+    assert [x["forced"] for x in steps] == [True, False, False, False, True]
+    probe = steps[2]
+    assert probe["distance"] == 2 and probe["expected"] == ["4172"] and probe["answer_tokens"] > 0
+    assert probe["correct"] == ("4172" in probe["answer"].lower())
+    # the generated probe answer was replaced by the script's text, and the independent probe discarded
+    history = r.store.history(run["conversation_id"])
+    kept = [m for m in history.messages if not m.meta.get("discarded")]
+    assert [m.content for m in kept if m.role == "assistant"][0] == "Got it: your locker code is 4172."
+    assert "Your locker code is 4172." in [m.content for m in kept]
+    assert "Repeat my locker code." not in [m.content for m in kept]
+    tokens = [int(t) for m in kept for t in m.tokens]
+    assert engine.cache.tokens == tokens  # the cache holds exactly the shared history
+    summary = run["summary"]
+    assert summary["n_probes"] == 2 and summary["gate_rate"] == 0.0 and summary["reprefill_tokens"] == 0
+    assert summary["reprefill_tokens_every_turn"] == sum(x["history_tokens"] for x in steps)
+    assert summary["peak_live_cells"] >= len(tokens)
+
+
+def test_runs_are_deterministic(engine: Engine, tmp_path: Path, tiny: Path) -> None:
+    s = script.load(tiny)
+    a = _runner(engine, tmp_path / "a").run(Job(s.name, "full", "100%", 0), s)
+    b = _runner(engine, tmp_path / "b").run(Job(s.name, "full", "100%", 0), s)
+    assert [x.get("answer") for x in a["steps"]] == [x.get("answer") for x in b["steps"]]
+
+
+def test_one_shot_protocol_keeps_the_history_full(engine: Engine, tmp_path: Path, tiny: Path) -> None:
+    s = script.load(tiny)
+    r = _runner(engine, tmp_path)
+    multi = r.run(Job(s.name, "full", "100%", 0, "multi-round"), s)
+    one = r.run(Job(s.name, "full", "100%", 0, "one-shot"), s)
+    # under `full` both protocols see the same history, so the answers agree
+    assert [x.get("answer") for x in one["steps"]] == [x.get("answer") for x in multi["steps"]]
+    # with generate_fillers the scripted turns are answered (then replaced) in both protocols
+    r.generate_fillers = True
+    filled = [r.run(Job(s.name, "full", "100%", 0, p), s) for p in ("multi-round", "one-shot")]
+    for run in filled:
+        assert not run["steps"][0]["forced"] and run["steps"][0]["answer_tokens"] > 0
+        assert run["steps"][0]["answer"] != "Got it: your locker code is 4172."
+    assert filled[0]["steps"][0]["answer"] == filled[1]["steps"][0]["answer"]
+    history = [m.content for m in r.store.history(filled[1]["conversation_id"]).messages
+               if not m.meta.get("discarded")]
+    assert "Got it: your locker code is 4172." in history
+
+
+def test_jobs_plan_and_shard() -> None:
+    s1 = script.Script("a", None, (script.Step(1, "hi", 1),))
+    s2 = script.Script("b", None, (script.Step(1, "hi", 1),))
+    jobs = runner.plan_jobs([s1, s2], ["full", "topk", "poisson+gate"], ["10%", "25%"], seeds=3)
+    # full once (budget-free), topk once per budget (seed-free), the gated system per budget and seed
+    assert len(jobs) == 2 * (1 + 2 + 2 * 3)
+    parts = [runner.shard(jobs, f"{i}/3") for i in (1, 2, 3)]
+    assert sorted(sum(parts, []), key=jobs.index) == jobs
+    for bad in ("0/2", "3/2", "x", "1-2"):
+        with pytest.raises(runner.RunError, match="--shard"):
+            runner.shard(jobs, bad)
+    with pytest.raises(runner.RunError, match="unknown lru"):
+        runner.parse_policies("full,lru")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="certchat")
+    sub = parser.add_subparsers(dest="command")
+    cli_replay.register(sub)
+    return parser
+
+
+def _cli(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_json_shards_and_merge(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps(x) for x in LINES[:6]) + "\n", encoding="utf-8")
+    common = ["--policy", "full", "--model", "smollm2-135m", "--max-tokens", "8", "--threads", "1",
+              "--no-progress", "--json"]
+    assert _cli(["replay", str(tiny), str(other), *common, "--out", str(tmp_path / "all")]) == 0
+    whole = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(runner_keys := whole["runs"][0]) >= set(("policy", "budget", "seed", "recall", "recall_distance_ge_25",
+                                                        "n_probes", "gate_rate", "reprefill_tokens",
+                                                        "reprefill_tokens_every_turn", "wall_s", "decode_tok_s",
+                                                        "peak_live_cells")), runner_keys
+    assert whole["runs"][0]["n_probes"] == 3
+    for i in (1, 2):
+        assert _cli(["replay", str(tiny), str(other), *common, "--shard", f"{i}/2", "--no-plots",
+                     "--out", str(tmp_path / f"shard{i}")]) == 0
+        capsys.readouterr()
+    assert _cli(["replay", "merge", str(tmp_path / "shard1"), str(tmp_path / "shard2"), "--json", "--no-plots",
+                 "--out", str(tmp_path / "merged")]) == 0
+    merged = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert merged["runs"][0]["recall"] == whole["runs"][0]["recall"]
+    assert merged["runs"][0]["n_probes"] == 3
+    out = tmp_path / "all"
+    assert (out / "results.json").exists() and (out / "table.md").exists() and (out / "recall.png").exists()
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["meta"]["model"] == "smollm2-135m" and "replay" in doc["meta"]["command"]
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"role": "user", "content": "x"}\n{"role": "assistant"}\n')
+    assert _cli(["replay", str(bad), "--policy", "full"]) == 1
+    assert capsys.readouterr().err.strip() == f"certchat replay: {bad}:2: \"content\" must be a string, got NoneType"
+    assert _cli(["replay", str(bad), "--policy", "lru"]) == 1
+    assert "unknown lru" in capsys.readouterr().err
+    assert _cli(["replay"]) == 1
+    assert "give SCRIPT files" in capsys.readouterr().err
+
+
+def test_logged_conversation_replays_as_agreement_probes(engine: Engine, tmp_path: Path, tiny: Path) -> None:
+    from agent.replay import logged
+
+    s = script.load(tiny)
+    r = _runner(engine, tmp_path)
+    run = r.run(Job(s.name, "full", "100%", 0), s)
+    again = logged.from_store(r.store, run["conversation_id"])
+    # the probe metadata is not in a chat log: answered turns become agreement probes
+    assert [st.user for st in again.steps] == [st.user for st in s.steps]
+    assert again.steps[3].independent and again.steps[0].probe.expect == ()
+    assert again.steps[2].assistant == "Your locker code is 4172."
+    replayed = r.run(Job(again.name, "full", "100%", 0), again)
+    assert replayed["steps"][0]["f1"] is not None and replayed["summary"]["n_probes"] == 0
+
+
+def test_policies_other_than_full_go_through_the_cache_manager(engine: Engine, tmp_path: Path, tiny: Path) -> None:
+    s = script.load(tiny)
+    r = _runner(engine, tmp_path)
+    try:
+        run = r.run(Job(s.name, "poisson", "10%", 0), s)
+    except NotImplementedError:
+        pytest.skip("eviction policies have not landed in agent/memory.py yet")
+    assert run["summary"]["peak_live_cells"] > 0
+    assert any(x["evictions"] for x in run["steps"])
+
+
+def test_policy_variants() -> None:
+    assert runner.parse_policies("poisson,poisson@page_size=1@top_share=0") == [
+        "poisson", "poisson@page_size=1@top_share=0"]
+    base = Config()
+    cfg = runner.policy_config(base, Job("s", "poisson+gate@page_size=1", "10%", 2), gate="0.3")
+    assert (cfg.policy, cfg.page_size, cfg.gate, cfg.seed) == ("poisson", 1, "0.3", 2)
+    for bad in ("poisson@budget=5%", "poisson@nope=1", "poisson@page_size=x", "poisson@page_size",
+                "poisson@gate=0.3"):
+        with pytest.raises(runner.RunError, match="variant|needs a int|only poisson\\+gate"):
+            runner.parse_policies(bad)
+    cfg = runner.policy_config(base, Job("s", "poisson+gate@gate=0.45", "10%", 0), gate="0.3")
+    assert cfg.gate == "0.45"
+    jobs = runner.plan_jobs([script.Script("a", None, (script.Step(1, "hi", 1),))],
+                            ["full@max_tokens=8", "topk"], ["10%"], seeds=2)
+    assert [(j.policy, j.budget) for j in jobs] == [("full@max_tokens=8", "100%"), ("topk", "10%")]
+
+
+SHARED_LOCOMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "30.json"
+
+
+@pytest.mark.skipif(not SHARED_LOCOMO.exists(), reason="the shared LoCoMo data is not in this checkout")
+def test_cli_locomo_quick_run_and_converter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli(["replay", "convert-locomo", str(SHARED_LOCOMO), "--qa-category", "2,4", "--max-sessions", "1",
+                 "--out", str(tmp_path / "scripts")]) == 0
+    converted = script.load(tmp_path / "scripts" / "locomo-30-s1.jsonl")
+    assert converted.probes and all(p.independent for p in converted.probes)
+    capsys.readouterr()
+    assert _cli(["replay", "--locomo", str(SHARED_LOCOMO), "--qa-category", "2,4", "--max-sessions", "1",
+                 "--max-probes", "2", "--policy", "full", "--model", "smollm2-135m", "--max-tokens", "8",
+                 "--threads", "1", "--no-progress", "--no-plots", "--json", "--out", str(tmp_path / "run")]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
+    assert row["n_probes"] == 2 and row["f1"] is not None and 0.0 <= row["f1"] <= 1.0
+
+
+def test_replay_store_shims_for_independent_turns(tmp_path: Path) -> None:
+    store = ReplayStore(tmp_path / "r.db")
+    conv = store.create_conversation(title="t")
+    store.record_eviction_round(EvictionRound(conversation_id=conv.id, round=0, cells_before=9, cells_after=3))
+    # an independent turn's round repeats after the restore: skipped, not an error
+    store.record_eviction_round(EvictionRound(conversation_id=conv.id, round=0, cells_before=8, cells_after=3))
+    assert [r.cells_before for r in store.eviction_rounds(conv.id)] == [9]
+    store.append_message(conv.id, "user", "earlier", tokens=[1, 2], first_pos=0)
+    store.append_message(conv.id, "assistant", "reply", tokens=[3], first_pos=2)
+    old = store.append_message(conv.id, "user", "old probe", tokens=[4], first_pos=3, meta={"discarded": True})
+    store.append_message(conv.id, "assistant", "old answer", tokens=[5], first_pos=4, meta={"discarded": True})
+    live = store.append_message(conv.id, "user", "live probe", tokens=[4], first_pos=3, meta={"discarded": True})
+    shown = {m.id: m.meta.get("discarded", False) for m in store.history(conv.id).messages}
+    # the in-flight independent question is part of the history a gate re-reads; older ones are not
+    assert shown[live.id] is False and shown[old.id] is True
+    assert Store(tmp_path / "r.db").get_message(live.id).meta["discarded"] is True  # the log is unchanged

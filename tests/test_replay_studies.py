@@ -1,0 +1,141 @@
+"""The certificate studies' statistics on constructed results whose answers are known."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from agent.replay import aggregate, studies
+
+
+def test_auc_values() -> None:
+    assert studies.auc([3, 4, 5], [0, 1, 2]) == 1.0
+    assert studies.auc([0, 1], [2, 3]) == 0.0
+    assert studies.auc([1, 1], [1, 1]) == 0.5
+    assert studies.auc([2, 0], [1]) == 0.5
+    assert studies.auc([], [1]) is None and studies.auc([1, None, math.nan], [0]) == 1.0
+    rng = np.random.default_rng(0)
+    pos, neg = rng.normal(1, 1, 400), rng.normal(0, 1, 400)
+    # the Mann-Whitney AUC of two unit normals one sd apart is Φ(1/√2) ≈ 0.76
+    assert studies.auc(pos, neg) == pytest.approx(0.76, abs=0.04)
+    lo, hi = studies.auc_ci(list(pos), list(neg), n_boot=200)
+    assert lo < studies.auc(pos, neg) < hi
+
+
+def test_spearman() -> None:
+    assert studies.spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
+    assert studies.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert studies.spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def _step(lineno: int, kind: str, correct: bool | None, cert: float | None, logprob: float | None = None) -> dict:
+    return {"turn": lineno, "lineno": lineno, "kind": kind, "correct": correct, "certificate": cert,
+            "certificate_detail": {"question.q": cert, "answer.max": None if cert is None else -cert},
+            "logprob_mean": logprob, "gate_fired": False, "history_tokens": 10, "reprefill_tokens": 0,
+            "answer_tokens": 1, "decode_ms": 1.0, "peak_cells": 1, "distance": 25}
+
+
+def _doc() -> dict:
+    """8 probes: full right on 0–5; poisson right on 0–1, wrong on 2–7 (2–5 induced, 6–7 inherent).
+    The certificate is high exactly on the induced failures; fillers score low except one."""
+    full_steps, pois_steps = [], []
+    for i in range(8):
+        full_steps.append(_step(i, "probe", i < 6, None, -0.1))
+        induced = 2 <= i < 6
+        pois_steps.append(_step(i, "probe", i < 2, 0.9 if induced else 0.1, -0.5 if i % 2 else -0.2))
+    for j in range(8, 18):
+        full_steps.append(_step(j, "filler", None, None))
+        pois_steps.append(_step(j, "filler", None, 0.95 if j == 8 else 0.05))
+    runs = []
+    for policy, steps in (("full", full_steps), ("poisson", pois_steps)):
+        r = {"script": "s", "policy": policy, "budget": "100%" if policy == "full" else "10%", "seed": 0,
+             "protocol": "multi-round", "steps": steps, "wall_s": 1.0}
+        r["summary"] = aggregate.summarize(r)
+        runs.append(r)
+    return aggregate.results_document({"model": "m"}, runs)
+
+
+def test_attribution_separates_induced_from_inherent() -> None:
+    (row,) = studies.attribution(_doc())
+    assert (row["n_induced"], row["n_inherent"]) == (4, 2)
+    assert row["statistics"]["question.q"]["auc"] == 1.0
+    assert row["statistics"]["answer.max"]["auc"] == 0.0
+    assert row["confidence"]["auc"] == 0.5  # −log-prob alternates: no information
+
+
+def test_gating_curves_against_random_and_confidence() -> None:
+    (row,) = studies.gating(_doc(), rates=(0.25, 0.5, 1.0))
+    assert row["recall_no_gate"] == 0.25 and row["recall_full"] == 0.75
+    q = row["statistics"]["question.q"]
+    # gating 50% of probes by the certificate picks the 4 induced failures: full-cache recall
+    assert [p["recall"] for p in q["over_probes"]] == [0.5, 0.75, 0.75]
+    assert [r["recall"] for r in row["random"]] == pytest.approx([0.375, 0.5, 0.75])
+    assert q["gain_ratio_vs_random_over_probes"][1] == pytest.approx((0.75 - 0.25) / (0.5 - 0.25))
+    # over all 18 turns at r = 0.25 (4 slots): the loud filler takes one, the four induced probes
+    # (tied at 0.9) share three, so each is gated with probability 3/4
+    assert q["over_turns"][0]["recall"] == pytest.approx(0.25 + 4 * (3 / 4) / 8)
+    assert q["gain_ratio_vs_random"][0] == pytest.approx((q["over_turns"][0]["recall"] - 0.25) / (0.375 - 0.25))
+    # confidence exists on probes only (fillers are teacher-forced): no turn-rate comparison
+    assert row["statistics"]["confidence"]["over_turns"] == []
+    assert row["statistics"]["confidence"]["gain_ratio_vs_random"] is None
+    assert q["auc_probe_vs_filler"] == pytest.approx(
+        studies.auc([0.9] * 4 + [0.1] * 4, [0.95] + [0.05] * 9))
+    # over all turns the one loud filler takes a gate slot
+    at = q["over_turns"][0]
+    assert at["filler_rate"] == pytest.approx(0.1)
+
+
+def test_calibration_caps_the_filler_rate() -> None:
+    cal = studies.calibrate(_doc(), "question.q", filler_target=0.1)
+    assert cal["tau"] is not None and 0.05 < cal["tau"] <= 0.95
+    assert cal["in_sample"]["filler_gate_rate"] <= 0.1
+    assert cal["in_sample"]["recall"] == 0.75
+    with pytest.raises(ValueError, match="no topk runs"):
+        studies.calibrate(_doc(), "question.q", policy="topk")
+
+
+def test_studies_need_a_full_reference() -> None:
+    doc = _doc()
+    doc["runs"] = [r for r in doc["runs"] if r["policy"] != "full"]
+    with pytest.raises(ValueError, match="need a `full` run"):
+        studies.attribution(doc)
+
+
+def test_coverage_summary() -> None:
+    cells = [{"layer": layer, "head": h, "certificate": 1.0, "error": 0.5 if h else 2.0}
+             for layer in range(2) for h in range(4)]
+    c = studies.coverage(cells)
+    assert c["n_cells"] == 8 and c["coverage"] == 0.75 and c["per_layer"] == {"0": 0.75, "1": 0.75}
+
+
+def test_render_tables() -> None:
+    doc = _doc()
+    for name in ("attribution", "gating"):
+        text = studies.render(studies.analyse(name, doc))
+        assert "| poisson | 10% | multi-round |" in text and "model `m`" in text
+
+
+def test_study_from_results_on_disk_and_the_calibration_file(tmp_path, capsys) -> None:
+    import argparse
+    import json
+
+    from agent import cli_replay
+
+    doc = _doc()
+    doc["meta"].update({"machine": "2 CPU cores", "command": "certchat replay x"})
+    aggregate.write_results(tmp_path / "run" / "results.json", doc["meta"], doc["runs"])
+    parser = argparse.ArgumentParser(prog="certchat")
+    cli_replay.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["replay", "--study", "gating", "--from-results", str(tmp_path / "run"),
+                              "--out", str(tmp_path / "study")])
+    assert args.func(args) == 0
+    assert "| poisson | 10% | multi-round |" in capsys.readouterr().out
+    result = json.loads((tmp_path / "study" / "study-gating.json").read_text())
+    record = studies.calibration_record(result, "question.q")
+    assert record["tau"] == studies.calibrate(doc, "question.q")["tau"] and record["model"] == "m"
+    path = studies.write_calibration(record, tmp_path / "cal.json")
+    assert json.loads(path.read_text())["statistic"] == "question.q"
+    with pytest.raises(ValueError, match="no calibration of nothing"):
+        studies.calibration_record(result, "nothing")

@@ -1,0 +1,1 @@
+"""Screens: the chat itself, the first-run set-up, dialogs, logs and help."""

@@ -1,0 +1,1 @@
+"""Widgets of the chat screen: conversation pane, prompt, sidebar, memory panel, status line."""
