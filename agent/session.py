@@ -187,6 +187,9 @@ class ChatSession:
             answer_msg = self._close_answer(gen, stream)
 
         stat = self.memory.turn_statistic()
+        if gate_fired and decision.fire and decision.value is not None:
+            # The re-read resets the cache's certificate; the turn keeps the value that fired the gate.
+            stat = decision.value
         self._turn_certs.append((len(self._turn_certs) + 1, stat, gate_fired))
         self._last_tok_s = gen.tok_per_s
         result = ev.TurnResult(
