@@ -45,6 +45,17 @@ if [ "$mode" = chat ]; then
   exec .venv/bin/certchat chat "$@"
 fi
 
+# The TUI smoke test drives `certchat chat` inside tmux.
+if ! command -v tmux >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing tmux for the terminal smoke test"
+    apt-get install -y tmux >/dev/null 2>&1 || { apt-get update >/dev/null 2>&1 && apt-get install -y tmux >/dev/null; }
+  else
+    echo "the test suite needs tmux (e.g. sudo apt-get install tmux)" >&2
+    exit 1
+  fi
+fi
+
 say "pulling the models the tests use (cached)"
 .venv/bin/certchat models pull qwen2.5-coder-0.5b smollm2-135m gemma3-270m >/dev/null
 exec .venv/bin/python -m pytest "$@"

@@ -160,6 +160,8 @@ def detect_cuda_arch() -> str | None:
 def _run_logged(step: str, cmd: list[str], log: Path, progress: Progress, cwd: Path | None = None,
                 env: dict[str, str] | None = None) -> None:
     """Run a command, teeing its output to ``log``; ninja's [i/n] lines drive progress."""
+    if shutil.which(cmd[0], path=(env or os.environ).get("PATH")) is None:
+        raise BuildError(f"build step '{step}' failed: `{cmd[0]}` was not found; install it (README: Set up)")
     log.parent.mkdir(parents=True, exist_ok=True)
     ninja_re = re.compile(r"^\[(\d+)/(\d+)\]")
     with log.open("a") as sink:
@@ -348,6 +350,8 @@ def build(opts: BuildOptions, progress_factory: Callable[[bool], Progress] = Pro
         return lib_dir
 
     env = dict(os.environ)
+    # cmake and ninja come with certchat's own environment (pyproject), even when not activated.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if nvcc:
         env["CUDACXX"] = nvcc
     llama_build = _build_llama(opts, cuda_arch, sdist, cache / "builds" / f"llama-{lkey}", env, progress)

@@ -62,6 +62,7 @@ def test_a_stale_fixture_is_refused(tmp_path: Path) -> None:
         recall30.load_fixture(4, tmp_path)
 
 
+@pytest.mark.slow
 def test_fixture_generation_runs_on_a_real_model(small_model: Path, tmp_path: Path) -> None:
     (path,) = recall30.generate_fixtures((5,), model=str(small_model), directory=tmp_path, threads=1,
                                          max_tokens=6, log=lambda line: None)

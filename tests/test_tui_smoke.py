@@ -60,6 +60,9 @@ def terminal(tmp_path: Path) -> Iterator[Terminal]:
     term = Terminal(socket=f"certchat-smoke-{os.getpid()}", name="chat")
     yield term
     term.tmux("kill-server")
+    # tmux leaves the socket file behind once its last session has ended by itself.
+    socket_dir = Path(os.environ.get("TMUX_TMPDIR", "/tmp")) / f"tmux-{os.getuid()}"
+    (socket_dir / term.socket).unlink(missing_ok=True)
 
 
 def test_certchat_chat_in_tmux(terminal: Terminal, tmp_path: Path, small_model: Path) -> None:
