@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.configure()
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # what was typed, for results that record their command
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -79,7 +79,7 @@ def _settings(args: argparse.Namespace, out: Path, policies: str | None = None) 
         out=out, policies=runner.parse_policies(policies or args.policy), budgets=runner.parse_budgets(args.budget),
         seeds=args.seeds, gate=args.gate, protocols=protocols, model=args.model, temperature=args.temperature,
         max_tokens=args.max_tokens, n_ctx=args.n_ctx, threads=args.threads, shard=args.shard,
-        plots=not args.no_plots, progress=not args.no_progress, command=command_line(),
+        plots=not args.no_plots, progress=not args.no_progress, command=command_line(getattr(args, "argv", None)),
         generate_fillers=args.generate_fillers)
 
 
@@ -105,8 +105,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         result = studies.run_study(args.study, scripts, _settings(args, out), _base_config(args))
         print(studies.render(result) if not args.json else studies.json_line(result))
         if args.write_calibration and args.study == "gating":
-            written = studies.write_calibration(studies.calibration_record(result, args.write_calibration))
-            print(f"calibration: {written}", file=sys.stderr)
+            record = studies.calibration_record(result, args.write_calibration, rule=args.calibration_rule)
+            print(f"calibration: {studies.write_calibration(record)}", file=sys.stderr)
         return 0
     from agent.replay import batch  # noqa: PLC0415
 
@@ -127,6 +127,9 @@ def _cmd_study_from(args: argparse.Namespace) -> int:
     files = aggregate.result_files(args.from_results)
     meta, runs = aggregate.merge([aggregate.read_results(f) for f in files])
     result = studies.analyse(args.study, aggregate.results_document(meta, runs))
+    from agent.replay.report import command_line  # noqa: PLC0415
+
+    result["command"] = command_line(getattr(args, "argv", None))
     out = args.out or args.from_results[0]
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"study-{args.study}.json"
@@ -134,8 +137,8 @@ def _cmd_study_from(args: argparse.Namespace) -> int:
     print(studies.render(result) if not args.json else studies.json_line(result))
     print(f"study: {path}", file=sys.stderr)
     if args.write_calibration:
-        written = studies.write_calibration(studies.calibration_record(result, args.write_calibration))
-        print(f"calibration: {written}", file=sys.stderr)
+        record = studies.calibration_record(result, args.write_calibration, rule=args.calibration_rule)
+        print(f"calibration: {studies.write_calibration(record)}", file=sys.stderr)
     return 0
 
 
@@ -185,7 +188,7 @@ def _cmd_demo_recall30(args: argparse.Namespace) -> int:
         out=out, policies=runner.parse_policies(args.policy), budgets=runner.parse_budgets(args.budget),
         seeds=1 if args.quick else args.seeds, gate=args.gate, model=args.model or recall30.FIXTURE_MODEL,
         max_tokens=args.max_tokens, threads=args.threads, plots=not args.no_plots, progress=not args.no_progress,
-        generate_fillers=args.generate_fillers, command=command_line(),
+        generate_fillers=args.generate_fillers, command=command_line(getattr(args, "argv", None)),
         extra_meta={"demo": "recall30", "quick": bool(args.quick),
                     "fixtures": [str(recall30.fixture_path(s)) for s in seeds]})
     doc = batch.run(scripts, settings, _base_config(args))
@@ -236,6 +239,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--write-calibration", metavar="STATISTIC", dest="write_calibration",
                    help="with --study gating: save τ of this statistic (e.g. question.q) as the agent's default "
                         "(agent/replay/fixtures/gate_calibration.json)")
+    p.add_argument("--calibration-rule", choices=("fillers", "probes"), default="fillers", dest="calibration_rule",
+                   help="which τ --write-calibration saves: filler gate rate ≤ 10%% (fillers) or every "
+                        "eviction-broken calibration probe gated (probes)")
     p.set_defaults(func=_guard(_cmd_replay))
 
     demo = sub.add_parser("demo", help="built-in demonstrations")

@@ -66,6 +66,10 @@ def _state_cache(args: argparse.Namespace, n: int, seed: int) -> Path | None:
 
 TIMER = time.perf_counter
 
+# each context has its own CPU thread pool, whose workers spin a little after a graph before they sleep;
+# a pause between the two sides keeps one side's spinning threads from stealing the other's cores
+SETTLE_S = 0.02
+
 
 class _Stepper:
     """Decode one token at a fixed position and roll it back, timing the decode."""
@@ -94,7 +98,9 @@ def _pairs(a: _Stepper, b: _Stepper, n: int, seed: int) -> tuple[list[float], li
     for i in range(n):
         first, second = (a, b) if i % 2 == 0 else (b, a)
         t1 = first.step(toks[i])
+        time.sleep(SETTLE_S)
         t2 = second.step(toks[i])
+        time.sleep(SETTLE_S)
         ta.append(t1 if first is a else t2)
         tb.append(t2 if first is a else t1)
     return ta, tb

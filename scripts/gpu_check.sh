@@ -105,7 +105,7 @@ run_tests() {
     command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     stamp "running the GPU tests"
     (cd "$ROOT" && \
-        PYTHONPATH="$ROOT:$OUT/py" CERTCHAT_NATIVE_LIB_DIR="$OUT/lib" CERTCHAT_TINY_GGUF_DIR="$OUT" \
+        PYTHONPATH="$ROOT:$OUT/py" CERTCHAT_NATIVE_LIB_DIR="$OUT/lib" CERTCHAT_TINY_GGUF_DIR="$OUT" CERTCHAT_REQUIRE_GPU=1 \
         "$PYTHON" -m pytest -q -m gpu tests/test_patch_gpu.py -p no:cacheprovider -o addopts="-ra" "$@")
 }
 

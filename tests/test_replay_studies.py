@@ -92,6 +92,10 @@ def test_calibration_caps_the_filler_rate() -> None:
     assert cal["tau"] is not None and 0.05 < cal["tau"] <= 0.95
     assert cal["in_sample"]["filler_gate_rate"] <= 0.1
     assert cal["in_sample"]["recall"] == 0.75
+    by_probes = studies.calibrate(_doc(), "question.q", probe_target=1.0)
+    # the largest τ that still gates every eviction-broken probe (all four sit at 0.9)
+    assert by_probes["tau"] == 0.9 and by_probes["in_sample"]["recall"] == 0.75
+    assert by_probes["in_sample"]["filler_gate_rate"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="no topk runs"):
         studies.calibrate(_doc(), "question.q", policy="topk")
 

@@ -62,7 +62,7 @@ def _fmt(value: Any, sd: Any = None, pct: bool = False, digits: int | None = Non
 
 def provenance(meta: dict[str, Any]) -> str:
     bits = [f"model `{meta.get('model')}`", f"machine: {meta.get('machine')}",
-            f"budgets {', '.join(meta.get('budgets', []))}", f"seeds {meta.get('seeds')}",
+            f"budgets {', '.join(meta.get('budgets') or []) or '— (full cache only)'}", f"seeds {meta.get('seeds')}",
             f"protocols {', '.join(meta.get('protocols', ['multi-round']))}",
             f"temperature {meta.get('temperature', 0.0)}", f"gate τ {meta.get('gate', 'auto')}"]
     if meta.get("commit"):
@@ -114,28 +114,30 @@ def plots(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
     rows = table(doc["aggregate"])
     title_tail = f"{doc['meta'].get('model')} · {doc['meta'].get('machine_short', '')}".rstrip(" ·")
 
-    # 1. recall (and long-range recall) per policy, one group per budget
+    # 1. recall per policy, one group of bars per (protocol, budget); full as a reference line
     fig, ax = plt.subplots(figsize=(8, 4))
-    groups = sorted({(r["protocol"], r["budget"]) for r in rows}, key=lambda g: (g[0], g[1] == "100%", g[1]))
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    groups = sorted({(r["protocol"], r["budget"]) for r in rows if r["policy"].split("@")[0] != "full"},
+                    key=lambda g: (g[0], float(g[1][:-1]) if g[1].endswith("%") else 1e9))
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"].split("@")[0] != "full"))
     width = 0.8 / max(1, len(policies))
     for i, policy in enumerate(policies):
-        xs, ys, errs = [], [], []
         for g, (protocol, budget) in enumerate(groups):
-            match = [r for r in rows if r["policy"] == policy and r["protocol"] == protocol
-                     and (r["budget"] == budget or policy == "full")]
-            if match and match[0]["recall"] is not None:
-                xs.append(g + i * width)
-                ys.append(match[0]["recall"])
-                errs.append(match[0]["recall_sd"] or 0.0)
-        if xs:
-            ax.bar(xs, ys, width, yerr=errs, label=POLICY_LABEL.get(policy, policy), capsize=2)
+            match = [r for r in rows if r["policy"] == policy and r["protocol"] == protocol and r["budget"] == budget]
+            if not match or match[0]["recall"] is None:
+                continue
+            x, y = g + i * width, match[0]["recall"]
+            ax.bar(x, y, width, yerr=match[0]["recall_sd"] or 0.0, capsize=2, color=f"C{i + 1}",
+                   label=POLICY_LABEL.get(policy, policy) if g == 0 else None)
+            ax.text(x, y + 0.02, f"{y:.2f}", ha="center", fontsize=7)
+    for n, r in enumerate(r for r in rows if r["policy"].split("@")[0] == "full" and r["recall"] is not None):
+        ax.axhline(r["recall"], color="C0", ls="--", lw=1, label=f"full cache ({r['protocol']})" if n == 0 else None)
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
     ax.set_xticklabels([f"{b}\n{p}" if len({g[0] for g in groups}) > 1 else b for p, b in groups])
-    ax.set_ylabel("recall")
-    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("KV budget")
+    ax.set_ylabel("recall (containment)")
+    ax.set_ylim(0, 1.12)
     ax.set_title(f"Recall by policy and budget ({title_tail})", fontsize=9)
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
     fig.tight_layout()
     path = out_dir / f"{prefix}recall.png"
     fig.savefig(path, dpi=110)
@@ -198,3 +200,40 @@ def _bin(distance: int) -> int:
     if distance < 100:
         return (distance // 5) * 5
     return (distance // 50) * 50
+
+
+def gating_plot(result: dict[str, Any], out_dir: Path, prefix: str = "",
+                statistics: tuple[str, ...] = ("question.q", "question.max", "answer.q", "turn_index")
+                ) -> list[Path]:
+    """Recall against recompute rate (share of all turns re-prefilled): certificate gates vs random."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for row in result["rows"]:
+        if row["policy"].split("@")[0] != "poisson":
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rates = [p["rate"] for p in row["random"]]
+        ax.plot(rates, [p["recall"] for p in row["random"]], "k--", label="random gating")
+        for i, name in enumerate(statistics):
+            curve = row["statistics"].get(name, {}).get("over_turns") or []
+            pts = [(p["rate"], p["recall"]) for p in curve if p["recall"] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=name)
+        ax.axhline(row["recall_full"], color="C0", ls=":", lw=1, label="full cache")
+        ax.set_xlabel("recompute rate (share of all user turns re-prefilled)")
+        ax.set_ylabel("probe recall")
+        ax.set_ylim(-0.02, 1.05)
+        ax.set_title(f"Gating at matched recompute rates: {row['policy']} {row['budget']} {row['protocol']} "
+                     f"({result['meta'].get('model')})", fontsize=8)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"{prefix}gating-{row['budget'].rstrip('%')}-{row['protocol']}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -11,8 +11,11 @@
   turns). Rates are counted over probes (all gates comparable) and over all turns (the
   certificate against random: a gate also pays for every filler it fires on; confidence
   needs a generated answer, which teacher-forced fillers do not have).
-- **calibration**: the default τ for a statistic — the smallest threshold whose gate rate
-  on filler turns stays at or below a target — with leave-one-script-out figures.
+- **calibration**: the default τ for a statistic, by one of two rules — the smallest
+  threshold whose gate rate on filler turns stays at or below a target, or the largest that
+  still gates every eviction-broken probe — with leave-one-script-out figures. Two
+  baselines ride along: output confidence, and ``turn_index`` (gate the latest turns),
+  which shows how much of a statistic's gain is only "late in the conversation".
 - **coverage**: per (layer, head) cell, whether the certificate at nominal 1 − δ covers the
   realized attention-output error; the cells come from :mod:`agent.replay.capture`.
 
@@ -225,6 +228,9 @@ def gating(doc: dict[str, Any], rates: tuple[float, ...] = RATES) -> list[dict[s
         for name in sorted({k for s in steps for k in statistics_of(s)}):
             gates[name] = ([statistics_of(p).get(name) for p in probes], [statistics_of(s).get(name) for s in steps])
         gates["confidence"] = ([_confidence(p) for p in probes], [_confidence(s) for s in steps])
+        # a trivial baseline: gate the latest turns (the certificate is 0 while nothing is sampled,
+        # so part of its gain is just "late in the conversation")
+        gates["turn_index"] = ([float(p["turn"]) for p in probes], [float(s["turn"]) for s in steps])
         stats = {}
         for name, (probe_scores, turn_scores) in gates.items():
             # a gate that cannot be computed on some turns (forced fillers have no answer) is not
@@ -232,7 +238,8 @@ def gating(doc: dict[str, Any], rates: tuple[float, ...] = RATES) -> list[dict[s
             turn_complete = all(v is not None for v in turn_scores)
             over_probes = _gate_curve(probes, probe_scores, probe_scores, rates)
             over_turns = _gate_curve(probes, probe_scores, turn_scores, rates) if turn_complete else []
-            vals = [statistics_of(f).get(name) if name != "confidence" else _confidence(f) for f in fillers]
+            vals = [_confidence(f) if name == "confidence" else float(f["turn"]) if name == "turn_index"
+                    else statistics_of(f).get(name) for f in fillers]
             for point in over_turns:
                 tau = point["threshold"]
                 point["filler_rate"] = None if tau is None or not vals else float(np.mean(
@@ -255,8 +262,15 @@ def gating(doc: dict[str, Any], rates: tuple[float, ...] = RATES) -> list[dict[s
 
 
 def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budget: str | None = None,
-              protocol: str = "multi-round", filler_target: float = FILLER_TARGET) -> dict[str, Any]:
-    """τ for ``statistic``: the smallest threshold with filler gate rate ≤ target; leave-one-script-out too."""
+              protocol: str = "multi-round", filler_target: float = FILLER_TARGET,
+              probe_target: float | None = None) -> dict[str, Any]:
+    """τ for ``statistic``, with leave-one-script-out figures, by one of two rules:
+
+    - ``filler_target`` (default): the smallest τ whose gate fires on at most that share of
+      filler turns (the cost-bounded rule);
+    - ``probe_target``: the largest τ that still fires on at least that share of the probes
+      whose answer eviction broke (the recall-bounded rule; fillers pay what they pay).
+    """
     groups = paired_steps(doc, (policy.split("@", 1)[0],))
     keys = [k for k in groups if k[0] == policy and k[2] == protocol and (budget is None or k[1] == budget)]
     if not keys:
@@ -264,6 +278,12 @@ def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budg
     steps = [s for k in keys for s in groups[k]]
 
     def tau_for(sample: list[dict[str, Any]]) -> float | None:
+        if probe_target is not None:
+            need = sorted(v for s in sample if s["kind"] == "probe" and s.get("correct") is False
+                          and s["full"].get("correct") and (v := statistics_of(s).get(statistic)) is not None)
+            if not need:
+                return None
+            return float(need[int(math.floor((1 - probe_target) * (len(need) - 1) + 1e-9))])
         vals = sorted((statistics_of(s).get(statistic) for s in sample if s["kind"] == "filler"),
                       key=lambda v: -math.inf if v is None else v)
         vals = [v for v in vals if v is not None]
@@ -298,7 +318,9 @@ def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budg
             t = tau_for(train)
             held_out.append({"script": name, "tau": t, **apply(test, t)})
     return {"statistic": statistic, "policy": policy, "budgets": sorted({k[1] for k in keys}),
-            "protocol": protocol, "filler_target": filler_target, "tau": tau, "in_sample": apply(steps, tau),
+            "protocol": protocol, "rule": "probes" if probe_target is not None else "fillers",
+            "filler_target": None if probe_target is not None else filler_target, "probe_target": probe_target,
+            "tau": tau, "in_sample": apply(steps, tau),
             "leave_one_script_out": held_out}
 
 
@@ -334,19 +356,22 @@ def analyse(name: str, doc: dict[str, Any]) -> dict[str, Any]:
             if row["policy"].split("@", 1)[0] != "poisson":
                 continue
             for statistic in row["statistics"]:
-                if statistic == "confidence":
-                    continue  # needs the answer; not a gate statistic the agent computes
-                try:
-                    calibrations.append(calibrate(doc, statistic, row["policy"], row["budget"], row["protocol"]))
-                except ValueError:
-                    continue
+                if statistic in ("confidence", "turn_index"):
+                    continue  # baselines, not gate statistics the agent computes
+                for rule in ({}, {"probe_target": 1.0}):
+                    try:
+                        calibrations.append(calibrate(doc, statistic, row["policy"], row["budget"], row["protocol"],
+                                                      **rule))
+                    except ValueError:
+                        continue
         # one τ for every budget (the agent has one default): pooled over the budgets measured
         sampled = [r for r in rows if r["policy"].split("@", 1)[0] == "poisson"]
         for policy, protocol in sorted({(r["policy"], r["protocol"]) for r in sampled}):
             mine = [r for r in sampled if r["policy"] == policy and r["protocol"] == protocol]
             if len({r["budget"] for r in mine}) > 1:
-                for statistic in sorted({n for r in mine for n in r["statistics"]} - {"confidence"}):
+                for statistic in sorted({n for r in mine for n in r["statistics"]} - {"confidence", "turn_index"}):
                     calibrations.append(calibrate(doc, statistic, policy, None, protocol))
+                    calibrations.append(calibrate(doc, statistic, policy, None, protocol, probe_target=1.0))
         return {"study": name, "meta": meta, "rows": rows, "calibration": calibrations}
     raise ValueError(f"unknown study {name!r}")
 
@@ -354,18 +379,26 @@ def analyse(name: str, doc: dict[str, Any]) -> dict[str, Any]:
 CALIBRATION_FILE = Path(__file__).parent / "fixtures" / "gate_calibration.json"
 
 
-def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "multi-round") -> dict[str, Any]:
-    """The default-τ record for the agent: the pooled (or only) calibration of ``statistic``."""
+def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "multi-round",
+                       rule: str = "fillers") -> dict[str, Any]:
+    """The default-τ record for the agent: the pooled (or only) calibration of ``statistic`` by ``rule``."""
     matches = [c for c in result.get("calibration", []) if c["statistic"] == statistic and c["protocol"] == protocol
-               and c["policy"] == "poisson"]
+               and c["policy"] == "poisson" and c.get("rule", "fillers") == rule]
     if not matches:
         raise ValueError(f"no calibration of {statistic} ({protocol}) in this study")
     best = max(matches, key=lambda c: len(c["budgets"]))
-    return {"statistic": statistic, "tau": best["tau"], "filler_target": best["filler_target"],
+    return {"statistic": statistic, "tau": best["tau"], "rule": rule, "filler_target": best["filler_target"],
+            "probe_target": best.get("probe_target"),
             "budgets": best["budgets"], "protocol": protocol, "in_sample": best["in_sample"],
             "leave_one_script_out": best["leave_one_script_out"],
             "model": result["meta"].get("model"), "command": result["meta"].get("command"),
-            "machine": result["meta"].get("machine")}
+            "study_command": result.get("command"), "machine": result["meta"].get("machine"),
+            # the other rule's threshold for the same statistic, so the choice is visible
+            "alternatives": [{"rule": c.get("rule", "fillers"), "tau": c["tau"], "budgets": c["budgets"],
+                              "in_sample": c["in_sample"]}
+                             for c in result.get("calibration", []) if c["statistic"] == statistic
+                             and c["protocol"] == protocol and c["policy"] == "poisson"
+                             and c.get("rule", "fillers") != rule]}
 
 
 def write_calibration(record: dict[str, Any], path: Path = CALIBRATION_FILE) -> Path:
@@ -399,6 +432,7 @@ def run_study(name: str, scripts: list[Any], settings: Any, base: Any) -> dict[s
         settings.generate_fillers = True
         doc = batch.run(scripts, settings, base)
         result = analyse(name, doc)
+    result["command"] = settings.command
     path = Path(settings.out) / f"study-{name}.json"
     path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     result["path"] = str(path)
@@ -446,9 +480,11 @@ def render(result: dict[str, Any]) -> str:
                              f"{_f(r['recall_full'])} | {name} | {_f(s['auc_probe_vs_filler'])} | {ratios} "
                              f"| {at_text} | {over_p} |")
         if result.get("calibration"):
-            lines += ["", "Calibration (τ: filler gate rate ≤ target; leave-one-script-out mean):", "",
-                      "| statistic | budget | protocol | τ | recall | probe gate rate | filler gate rate "
-                      "| held-out recall / filler rate |", "|---|---|---|---|---|---|---|---|"]
+            lines += ["", "Calibration (rule 'fillers': the smallest τ with filler gate rate ≤ target; rule "
+                      "'probes': the largest τ that gates that share of the eviction-broken probes; last column: "
+                      "leave-one-script-out mean):", "",
+                      "| statistic | rule | budget | protocol | τ | recall | probe gate rate | filler gate rate "
+                      "| held-out recall / filler rate |", "|---|---|---|---|---|---|---|---|---|"]
             for c in result["calibration"]:
                 ho = c["leave_one_script_out"]
                 ho_recall = [h["recall"] for h in ho if h["recall"] is not None]
@@ -456,7 +492,10 @@ def render(result: dict[str, Any]) -> str:
                 ho_text = (f"{_f(float(np.mean(ho_recall)))} / {_f(float(np.mean(ho_filler)))}"
                            if ho_recall and ho_filler else "—")
                 ins = c["in_sample"]
-                lines.append(f"| {c['statistic']} | {', '.join(c['budgets'])} | {c['protocol']} | {_f(c['tau'], 4)} "
+                rule = (f"fillers ≤ {c['filler_target']:.0%}" if c.get("rule", "fillers") == "fillers"
+                        else f"probes ≥ {c['probe_target']:.0%}")
+                lines.append(f"| {c['statistic']} | {rule} | {', '.join(c['budgets'])} | {c['protocol']} "
+                             f"| {_f(c['tau'], 4)} "
                              f"| {_f(ins['recall'])} | {_f(ins['probe_gate_rate'])} | {_f(ins['filler_gate_rate'])} "
                              f"| {ho_text} |")
     elif study == "coverage":
@@ -473,7 +512,9 @@ def render(result: dict[str, Any]) -> str:
                              f"| {_f(v['median_ratio_error_to_certificate'])} |")
         lines += ["", "Per layer (first design, F-form):", "", "| layer | coverage |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in c["per_layer"].items()]
-    lines += ["", provenance(result["meta"])]
+    lines += ["", "Runs: " + provenance(result["meta"])]
+    if result.get("command") and result["command"] != result["meta"].get("command"):
+        lines.append(f"Study: `{result['command']}`")
     return "\n".join(lines) + "\n"
 
 
