@@ -104,20 +104,45 @@ def _cmd_repl(args: argparse.Namespace) -> int:
             return 0
         if not line.strip():
             continue
-        cancel = threading.Event()
         try:
-            result = session.send(line, on_event=_print_event, cancel=cancel)
-            print()
-            if tty:
-                cert = f"{result.certificate:.3f}" if result.certificate is not None else "—"
-                print(f"  [{result.live_cells}/{result.allocated_cells} cells, cert {cert}, "
-                      f"{result.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+            result = _send_interruptibly(session, line)
         except InputError as err:
             print(f"certchat: {err}", file=sys.stderr)
+            continue
+        except InterruptedError:
+            print("\n[stopped during the prefill; the message is in the log, unanswered]", file=sys.stderr)
+            continue
+        print()
+        if result.stop == "cancelled":
+            print("[stopped; the partial answer is in the log, marked interrupted]", file=sys.stderr)
+        elif tty:
+            cert = f"{result.certificate:.3f}" if result.certificate is not None else "—"
+            print(f"  [{result.live_cells}/{result.allocated_cells} cells, cert {cert}, "
+                  f"{result.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+
+
+def _send_interruptibly(session: Any, line: str) -> Any:
+    """Run the turn in a worker so Ctrl-C becomes a cancel between tokens (or prefill chunks),
+    never an exception in the middle of a llama.cpp call or a log write."""
+    cancel = threading.Event()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = session.send(line, on_event=_print_event, cancel=cancel)
+        except BaseException as err:  # re-raised in the caller's thread
+            box["error"] = err
+
+    worker = threading.Thread(target=work, name="certchat-turn", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        try:
+            worker.join(0.1)
         except KeyboardInterrupt:
-            # Ctrl-C mid-answer: the partial answer is already in the log, marked interrupted.
             cancel.set()
-            print("\n[stopped]", file=sys.stderr)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:

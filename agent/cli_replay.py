@@ -238,7 +238,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --study attribution|gating: analyse these results folders instead of replaying")
     p.add_argument("--write-calibration", metavar="STATISTIC", dest="write_calibration",
                    help="with --study gating: save τ of this statistic (e.g. question.q) as the agent's default "
-                        "(agent/replay/fixtures/gate_calibration.json)")
+                        "(agent/gate_calibration.json)")
     p.add_argument("--calibration-rule", choices=("fillers", "probes"), default="fillers", dest="calibration_rule",
                    help="which τ --write-calibration saves: filler gate rate ≤ 10%% (fillers) or every "
                         "eviction-broken calibration probe gated (probes)")

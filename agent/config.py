@@ -72,9 +72,14 @@ class Config:
     """Last prompt tokens whose attention scores the cache for eviction (SnapKV's observation window)."""
     cert_window: int = 8
     """Last prompt tokens over which the question-window certificate is computed."""
-    gate_stat: str = "question.q"
-    """Turn statistic the gate compares with τ: question.q (95th percentile over rows × layers × heads of the
-    relative certificate) or any key of the turn detail, e.g. answer.step_max_q (running maximum)."""
+    gate_stat: str = "auto"
+    """Turn statistic the gate compares with τ: "auto" (the one the calibration chose, agent/gate_calibration.json),
+    question.max (maximum over the question window's rows × layers × heads of the relative certificate),
+    question.q (their 95th percentile) or any key of the turn detail, e.g. answer.step_max_q (running maximum)."""
+    answer_certificate: bool = False
+    """Also read the certificate at every answer step (the answer.* statistics; replays turn it on). Off, the
+    certificate is computed for the question window only, and answer decoding runs at full speed; an answer.*
+    gate_stat turns it on regardless."""
     theme: str = "textual-dark"
     """Textual theme name for the chat UI."""
     keys: dict[str, str] = field(default_factory=dict)
@@ -118,8 +123,9 @@ class Config:
             raise ConfigError(f"floor: must be 0 or more, got {self.floor}")
         if not 1 <= self.question_window <= 64 or not 1 <= self.cert_window <= 64:
             raise ConfigError("question_window/cert_window: must be in [1, 64]")
-        if not (self.gate_stat.startswith("question.") or self.gate_stat.startswith("answer.")):
-            raise ConfigError(f"gate_stat: must start with 'question.' or 'answer.', got {self.gate_stat!r}")
+        if self.gate_stat != "auto" and not (self.gate_stat.startswith("question.")
+                                             or self.gate_stat.startswith("answer.")):
+            raise ConfigError(f"gate_stat: must be 'auto' or start with 'question.' or 'answer.', got {self.gate_stat!r}")
 
 
 def parse_budget(value: str) -> tuple[str, float]:

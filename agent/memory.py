@@ -19,16 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from agent import policies
+from agent import calibration, policies
 from agent.config import Config, parse_budget, parse_gate
 from agent.engine import Engine
 from native import patched, poisson
-
-# The calibrated default τ for `gate = "auto"`. None until the calibration study
-# (`certchat replay --study gating`, docs/RESULTS.md) writes a value here; with None the
-# gate stays off unless a threshold is given explicitly.
-DEFAULT_TAU: float | None = None
-
 
 @dataclass(frozen=True)
 class GateDecision:
@@ -84,6 +78,12 @@ class CacheManager:
     def policy(self) -> policies.Policy:
         return policies.get(self.config.policy)
 
+    @property
+    def gate_stat(self) -> str:
+        """The configured turn statistic, "auto" resolved to the calibrated one."""
+        stat = self.config.gate_stat
+        return calibration.default_statistic() if stat == "auto" else stat
+
     def reconfigure(self, config: Config) -> None:
         self.config = config
         # Certificates/importance cost a little per step: on only when a policy uses them.
@@ -94,9 +94,15 @@ class CacheManager:
             self._window = self.config.question_window if want else 0
 
     def _set_window(self, rows: int) -> None:
+        """Certificate rows for the next ubatches; 0 pauses the certificate (the graph drops it)."""
         if self._cert_on and rows != self._window:
-            patched.set_attn_certificate(self.engine.ctx.handle, True, rows)
+            patched.set_attn_certificate(self.engine.ctx.handle, rows > 0, max(rows, 1))
             self._window = rows
+
+    def _answer_certificates(self) -> bool:
+        """Per-step certificates while answering: needed by an answer.* gate, or asked for (replays
+        record every statistic); otherwise paused, since each costs a V-sized product per layer."""
+        return self.config.answer_certificate or self.gate_stat.startswith("answer.")
 
     def reset(self) -> None:
         """A new or reopened conversation."""
@@ -128,7 +134,7 @@ class CacheManager:
     def threshold(self) -> float | None:
         gate = parse_gate(self.config.gate)
         if gate == "auto":
-            return DEFAULT_TAU
+            return calibration.default_tau(self.gate_stat)
         return gate if isinstance(gate, float) else None
 
     # -- prefill hooks -----------------------------------------------------------------
@@ -245,30 +251,30 @@ class CacheManager:
 
     def question_gate(self) -> GateDecision:
         tau = self.threshold()
-        if not self.config.gate_stat.startswith("question."):
+        if not self.gate_stat.startswith("question."):
             return GateDecision(None, tau, False)
-        value = self._statistics().get(self.config.gate_stat)
+        value = self._statistics().get(self.gate_stat)
         return GateDecision(value, tau, fire=value is not None and tau is not None and value >= tau)
 
     def begin_answer(self) -> None:
         self._turn.answer = []
         self._turn.answer_running_q = None
-        self._set_window(1)
+        self._set_window(1 if self._answer_certificates() else 0)
 
     def step_gate(self) -> GateDecision:
         """Read this decode step's certificate; fire when an answer statistic reaches τ."""
         tau = self.threshold()
-        if not self._cert_on:
+        if not self._cert_on or self._window == 0:
             return GateDecision(None, tau, False)
         rel = self._read_relative()
         self._turn.answer.append(rel[-1])
-        if not self.config.gate_stat.startswith("answer."):
+        if not self.gate_stat.startswith("answer."):
             return GateDecision(None, tau, False)
-        value = self._statistics().get(self.config.gate_stat)
+        value = self._statistics().get(self.gate_stat)
         return GateDecision(value, tau, fire=value is not None and tau is not None and value >= tau)
 
     def turn_statistic(self) -> float | None:
-        return self._statistics().get(self.config.gate_stat)
+        return self._statistics().get(self.gate_stat)
 
     def turn_detail(self) -> dict[str, Any]:
         detail: dict[str, Any] = dict(self._statistics())

@@ -154,7 +154,14 @@ class ChatSession:
 
         first_pos = self.engine.next_pos
         self.memory.before_prefill()
-        prefill_ms = self.engine.feed(tokens, segment=user.index, cancel=cancel)
+        try:
+            prefill_ms = self.engine.feed(tokens, segment=user.index, cancel=cancel)
+        except BaseException:
+            # Cancelled (or Ctrl-C) mid-prefill: part of the message may be in the cache. Take it out, and
+            # keep the message in the log marked as never answered, so cache and log stay in step.
+            self.engine.truncate(first_pos)
+            self.store.update_message_meta(user.id, {"discarded": True, "cancelled": "prefill"})
+            raise
         self.memory.after_prefill()
         self.store.set_message_tokens(user.id, tokens, first_pos)
         self._segments.append(seg)
@@ -304,8 +311,8 @@ class ChatSession:
     def _reprefill_from_log(self) -> tuple[int, bool]:
         """Clear the cache and prefill the logged messages' exact token ids (the newest that fit)."""
         history = self.store.history(self.conversation_id)
-        msgs = [m for m in history.messages
-                if m.tokens is not None and len(m.tokens) > 0 and not m.meta.get("discarded")]
+        msgs = [m for m in history.messages if not m.meta.get("discarded")]
+        msgs = self._tokenized(msgs)
         room = self.engine.n_ctx - self.config.max_tokens - 16
         chosen = list(msgs)
         truncated = False
@@ -333,6 +340,30 @@ class ChatSession:
             fed += len(toks)
         self._segments = [_Segment(m.index, m.role, m.content) for m in chosen]
         return fed, truncated
+
+    def _tokenized(self, msgs: list) -> list:
+        """The messages with their token ids; messages logged without them (imported, or
+        typed while no model was loaded) are rendered through the template now, in context,
+        and their tokens written to the log so the next re-read is exact."""
+        out = []
+        prior: list[TemplateMessage] = []
+        for m in msgs:
+            if m.tokens is None or len(m.tokens) == 0:
+                this: TemplateMessage = {"role": m.role, "content": m.content}
+                if m.role == "assistant":
+                    text_tokens = self._tokenize(m.content, first=False)
+                    toks = text_tokens + self._tokenize(self.template.assistant_closing(prior, m.content), first=False)
+                elif m.role == "user" and prior:
+                    toks = self._tokenize(self.template.user_suffix(prior, this), first=False)
+                else:
+                    toks = self._tokenize(self.template.render([this], add_generation_prompt=m.role == "user"),
+                                          first=not prior)
+                if toks:
+                    m = self.store.set_message_tokens(m.id, toks, first_pos=sum(len(x.tokens) for x in out))
+            prior.append({"role": m.role, "content": m.content})
+            if m.tokens is not None and len(m.tokens) > 0:
+                out.append(m)
+        return out
 
     def _make_room(self, needed: int, on_event: EventSink) -> None:
         """Guarantee ``needed`` free cells: evict (any policy) or, for `full`, drop the oldest history."""

@@ -16,9 +16,9 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from native import patched, runtime
+from native.ggml_tensor import GGML_TYPE_F16, GGML_TYPE_F32, GgmlTensor, src  # noqa: F401 (re-exported)
+from native.ggml_tensor import read as read_tensor
 
-GGML_TYPE_F32 = 0
-GGML_TYPE_F16 = 1
 
 _silenced: Any = None
 
@@ -33,61 +33,6 @@ def llama() -> Any:
         lc.llama_backend_init()
     patched.lib()
     return lc
-
-
-class GgmlTensor(ctypes.Structure):
-    """``struct ggml_tensor`` of the vendored ggml (ggml/include/ggml.h)."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * 64),
-        ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
-
-_ggml_base: ctypes.CDLL | None = None
-
-
-def _ggml() -> ctypes.CDLL:
-    global _ggml_base
-    if _ggml_base is None:
-        lib = ctypes.CDLL(str(runtime.built_libs().lib_dir / "libggml-base.so"))
-        lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-        lib.ggml_backend_tensor_get.restype = None
-        lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-        lib.ggml_nbytes.restype = ctypes.c_size_t
-        _ggml_base = lib
-    return _ggml_base
-
-
-def read_tensor(ptr: int) -> np.ndarray:
-    """A float32 copy of a (possibly strided) F32/F16 tensor, indexed [i3, i2, i1, i0]."""
-    t = GgmlTensor.from_address(ptr)
-    dtype = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16}[t.type]
-    lib = _ggml()
-    nbytes = int(lib.ggml_nbytes(ptr))
-    raw = np.empty(nbytes + 16, dtype=np.uint8)
-    lib.ggml_backend_tensor_get(ptr, raw.ctypes.data, 0, nbytes)
-    base = raw[: nbytes - nbytes % np.dtype(dtype).itemsize].view(dtype)
-    shape = tuple(int(t.ne[i]) for i in (3, 2, 1, 0))
-    strides = tuple(int(t.nb[i]) for i in (3, 2, 1, 0))
-    return np.array(np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides), dtype=np.float32)
-
-
-def src(ptr: int, i: int) -> int:
-    """Pointer of source ``i`` of a tensor (following views of views is up to the caller)."""
-    return int(GgmlTensor.from_address(ptr).src[i])
 
 
 @dataclass

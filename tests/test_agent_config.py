@@ -49,3 +49,22 @@ def test_budget_and_gate_parsing() -> None:
     assert config.parse_budget("1024") == ("tokens", 1024.0)
     assert config.parse_gate("off") is None and config.parse_gate("0.3") == 0.3
     assert set(config.field_docs()) >= {"policy", "budget", "gate", "model"}
+
+
+def test_auto_gate_reads_the_calibration_that_chose_it(tmp_path: Path) -> None:
+    from agent import calibration
+
+    cal = calibration.load()
+    assert cal is not None, "agent/gate_calibration.json ships with the package"
+    # the default cites the data that chose it
+    assert cal.command and "replay" in cal.command and cal.study_command and "--study gating" in cal.study_command
+    assert cal.record["in_sample"]["probe_gate_rate"] >= 0 and cal.tau > 0
+    assert calibration.default_statistic() == cal.statistic
+    assert calibration.default_tau(cal.statistic) == cal.tau
+    other = "answer.q" if cal.statistic != "answer.q" else "question.q"
+    assert calibration.default_tau(other) is None  # calibrated for another statistic: the gate stays off
+    path = calibration.write({**cal.record, "statistic": "question.q", "tau": 0.5}, tmp_path / "cal.json")
+    assert calibration.load(path).tau == 0.5 and calibration.load(path).statistic == "question.q"
+    assert calibration.load(tmp_path / "missing.json") is None
+    (tmp_path / "bad.json").write_text("{", encoding="utf-8")
+    assert calibration.load(tmp_path / "bad.json") is None

@@ -96,3 +96,22 @@ def test_forced_gate_reproduces_full_cache_answers(engine: Engine, tmp_path: Pat
     finally:
         sampler.close()
         reference.close()
+
+
+@pytest.mark.parametrize("answer_certificate", [False, True])
+def test_answer_certificates_only_when_asked(answer_certificate: bool, engine: Engine, tmp_path: Path) -> None:
+    """The question-window certificate is always read; per-answer-step ones only when asked for
+    (or an answer.* gate needs them), since each costs a V-sized product per layer."""
+    cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget=str(BUDGET), max_tokens=8,
+                 gate="off", page_size=4, seed=3, answer_certificate=answer_certificate)
+    s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
+    for text in FACTS + FILLERS[:3]:
+        s.send(text, forced_answer="Noted.")
+    r = s.send("What is my locker code?")
+    keys = set(r.certificate_detail)
+    assert any(k.startswith("question.") for k in keys)
+    assert any(k.startswith("answer.") for k in keys) == answer_certificate
+    # an answer.* gate reads the steps whatever the flag says
+    s.reconfigure(gate_stat="answer.step_max_q", answer_certificate=False)
+    r = s.send("And my cat's name?")
+    assert any(k.startswith("answer.") for k in r.certificate_detail)

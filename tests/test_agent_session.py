@@ -132,3 +132,50 @@ def test_forced_answer_and_independent_probe(engine: Engine, tmp_path: Path) -> 
     s2 = ChatSession(s.config, s.store, engine, "smollm2-135m", conversation_id=s.conversation_id)
     assert "What is my locker code?" not in engine.model.detokenize(engine.cache.tokens, special=True)
     assert s2.conversation_id == s.conversation_id
+
+
+def test_cancel_during_prefill_rolls_the_cache_back_and_keeps_the_message(engine: Engine, tmp_path: Path) -> None:
+    class AfterFirstChunk(threading.Event):
+        """Set from the second look on: the first prefill chunk is in the cache when the cancel lands."""
+
+        looks = 0
+
+        def is_set(self) -> bool:
+            self.looks += 1
+            return self.looks > 1
+
+    s = _session(engine, tmp_path)
+    s.send("Remember: the kettle is blue.")
+    before = (list(engine.cache.tokens), engine.next_pos)
+    cancel = AfterFirstChunk()
+    long_text = "Tell me about lighthouses and their keepers. " * 40  # > n_batch (256): two chunks
+    with pytest.raises(InterruptedError):
+        s.send(long_text, cancel=cancel)
+    assert (list(engine.cache.tokens), engine.next_pos) == before
+    logged = s.store.messages(s.conversation_id)[-1]
+    assert logged.role == "user" and logged.content == long_text and logged.meta.get("discarded")
+    r = s.send("What colour is the kettle?")
+    assert r.answer
+    tokens, _ = s.store.history(s.conversation_id).flatten(skip_untokenized=True)
+    assert list(tokens) == engine.cache.tokens  # the unanswered message is not part of the model's history
+
+
+def test_imported_messages_without_tokens_are_tokenized_on_reopen(engine: Engine, tmp_path: Path) -> None:
+    store = Store(tmp_path / "log.db")
+    conv = store.import_messages("imported", [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "My cat is called Miso."},
+        {"role": "assistant", "content": "A lovely name for a cat."},
+    ])
+    config = Config(model="smollm2-135m", n_ctx=1024, policy="full", max_tokens=16)
+    s = ChatSession(config, store, engine, "smollm2-135m", conversation_id=conv.id)
+    msgs = store.messages(conv.id)
+    assert all(m.tokens is not None and len(m.tokens) > 0 for m in msgs)
+    assert engine.next_pos == sum(len(m.tokens) for m in msgs)
+    # The template renders the same text the live path would have: continuing works and the
+    # log's tokens are the cache's tokens.
+    assert s.send("What is my cat called?").answer
+    tokens, _ = store.history(conv.id).flatten()
+    assert list(tokens) == engine.cache.tokens
+    rendered = engine.model.detokenize(list(tokens))
+    assert "My cat is called Miso." in rendered and "A lovely name for a cat." in rendered

@@ -182,9 +182,8 @@ class Backend:
         try:
             return s.send(text, on_event=emit, cancel=cancel)
         except InterruptedError:
-            # Cancelled during the prefill: the session's cache may hold part of the message,
-            # so re-read the conversation from the log to put cache and log back in step.
-            s.open(s.conversation_id)
+            # Cancelled during the prefill: the session took the message's tokens back out of
+            # the cache and marked it unanswered in the log; show the log as it now stands.
             emit(self._shown())
             raise
 

@@ -76,7 +76,9 @@ def run(scripts: list[Script], settings: Settings, base: Config,
     by_name = {s.name: s for s in scripts}
     model_name = settings.model or base.model
     model_path, display, sha = _model_identity(model_name)
-    cfg = base.replace(temperature=settings.temperature, max_tokens=settings.max_tokens, threads=settings.threads)
+    # replays record every candidate statistic, answer-step certificates included
+    cfg = base.replace(temperature=settings.temperature, max_tokens=settings.max_tokens, threads=settings.threads,
+                       answer_certificate=True)
 
     n_ctx = settings.n_ctx
     if n_ctx is None:

@@ -23,7 +23,6 @@ and multi-round cumulative probabilities; both need reading the evicted run's gr
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,53 +30,7 @@ from typing import Any
 
 import numpy as np
 
-GGML_TYPE_F32 = 0
-GGML_TYPE_F16 = 1
-
-
-class _Tensor(ctypes.Structure):
-    """``struct ggml_tensor`` of the vendored ggml (ggml/include/ggml.h), the fields read here."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * 64),
-        ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
-
-def _ggml() -> ctypes.CDLL:
-    from native import runtime  # noqa: PLC0415
-
-    lib = ctypes.CDLL(str(runtime.built_libs().lib_dir / "libggml-base.so"))
-    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    lib.ggml_backend_tensor_get.restype = None
-    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    lib.ggml_nbytes.restype = ctypes.c_size_t
-    return lib
-
-
-def _read(lib: ctypes.CDLL, ptr: int) -> np.ndarray:
-    """A float32 copy of an F32/F16 tensor (views and permutations included), indexed [i3, i2, i1, i0]."""
-    t = _Tensor.from_address(ptr)
-    dtype = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16}[t.type]
-    nbytes = int(lib.ggml_nbytes(ptr))
-    raw = np.empty(nbytes + 16, dtype=np.uint8)
-    lib.ggml_backend_tensor_get(ptr, raw.ctypes.data, 0, nbytes)
-    base = raw[: nbytes - nbytes % np.dtype(dtype).itemsize].view(dtype)
-    shape = tuple(int(t.ne[i]) for i in (3, 2, 1, 0))
-    strides = tuple(int(t.nb[i]) for i in (3, 2, 1, 0))
-    return np.array(np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides), dtype=np.float32)
+from native.ggml_tensor import GGML_TYPE_F16, GgmlTensor, read
 
 
 @dataclass
@@ -102,29 +55,28 @@ class _Recorder:
     def __post_init__(self) -> None:
         from native import runtime  # noqa: PLC0415
 
-        self._lib = _ggml()
         self.callback = runtime.llama_cpp().ggml_backend_sched_eval_callback(self._on_tensor)
 
     def _on_tensor(self, tensor: int, ask: bool, _user: Any) -> bool:
         if not self.armed:
             return False
-        name = _Tensor.from_address(tensor).name.decode()
+        name = GgmlTensor.from_address(tensor).name.decode()
         kind, _, layer = name.rpartition("-")
         if kind not in ("kq", "kqv") or not layer.isdigit():
             return False
         if ask:
             return True
         il = int(layer)
-        t = _Tensor.from_address(tensor)
+        t = GgmlTensor.from_address(tensor)
         got = self.pending.setdefault(il, {})
         if kind == "kq":
-            k = _read(self._lib, t.src[0])[0]  # [n_head_kv, n_kv, head_dim]
-            q = _read(self._lib, t.src[1])[0]  # [n_head, rows, head_dim]
+            k = read(t.src[0])[0]  # [n_head_kv, n_kv, head_dim]
+            q = read(t.src[1])[0]  # [n_head, rows, head_dim]
             got["k"], got["q"] = k, q
         else:
-            vt = _read(self._lib, t.src[0])[0]  # [n_head_kv, head_dim, n_kv] (V is stored transposed)
+            vt = read(t.src[0])[0]  # [n_head_kv, head_dim, n_kv] (V is stored transposed)
             got["v"] = np.ascontiguousarray(np.transpose(vt, (0, 2, 1)))
-            got["out"] = _read(self._lib, tensor)[0]  # [n_head, rows, head_dim]
+            got["out"] = read(tensor)[0]  # [n_head, rows, head_dim]
         if {"k", "q", "v"} <= got.keys():
             self.layers[il] = LayerCapture(got["q"], got["k"], got["v"], got.get("out"))
         return True

@@ -376,7 +376,6 @@ def analyse(name: str, doc: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"unknown study {name!r}")
 
 
-CALIBRATION_FILE = Path(__file__).parent / "fixtures" / "gate_calibration.json"
 
 
 def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "multi-round",
@@ -401,10 +400,10 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
                              and c.get("rule", "fillers") != rule]}
 
 
-def write_calibration(record: dict[str, Any], path: Path = CALIBRATION_FILE) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    return path
+def write_calibration(record: dict[str, Any], path: Path | None = None) -> Path:
+    from agent import calibration  # noqa: PLC0415
+
+    return calibration.write(record, path or calibration.PATH)
 
 
 def run_study(name: str, scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]:
