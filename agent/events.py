@@ -117,6 +117,10 @@ class TurnResult:
     decode_tok_s: float
     answer_tokens: int
     logprob_mean: float | None
+    timings: dict[str, float] = field(default_factory=dict)
+    """Milliseconds by phase besides prefill and decode: evict (design, seq_rm, biases, compaction, its log
+    record), certificate (re-reading the question on the evicted cache, statistics), store (log writes on the
+    turn's path), reprefill (a gated re-read of the history), closing (feeding the end-of-turn tokens)."""
 
     def as_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -88,16 +88,23 @@ class CacheManager:
         self.config = config
         # Certificates/importance cost a little per step: on only when a policy uses them.
         want = self.policy.evicts and self.policy.name != "window"
-        if want != self._cert_on:
-            patched.set_attn_certificate(self.engine.ctx.handle, want, max(1, self.config.question_window))
+        if want != self._cert_on or (want and self._window not in (0, self._rows())):
+            patched.set_attn_certificate(self.engine.ctx.handle, want, self._rows())
             self._cert_on = want
-            self._window = self.config.question_window if want else 0
+            self._window = self._rows() if want else 0
+
+    def _rows(self) -> int:
+        """The graph's certificate window, fixed for the context: every n_window change rebuilds the
+        scheduler's graph reservation. A ubatch reports its last min(rows, n_tokens) rows, so the same
+        setting serves the question window of a prefill, the re-read question and one-token decodes."""
+        return max(1, self.config.question_window, self.config.cert_window)
 
     def _set_window(self, rows: int) -> None:
-        """Certificate rows for the next ubatches; 0 pauses the certificate (the graph drops it)."""
-        if self._cert_on and rows != self._window:
-            patched.set_attn_certificate(self.engine.ctx.handle, rows > 0, max(rows, 1))
-            self._window = rows
+        """``rows`` > 0: certificate on (with the fixed window); 0: paused (the graph drops it)."""
+        on = rows > 0
+        if self._cert_on and on != (self._window > 0):
+            patched.set_attn_certificate(self.engine.ctx.handle, on, self._rows())
+            self._window = self._rows() if on else 0
 
     def _answer_certificates(self) -> bool:
         """Per-step certificates while answering: needed by an answer.* gate, or asked for (replays
@@ -229,8 +236,7 @@ class CacheManager:
         self._set_window(w)
         self.engine.truncate(self.engine.next_pos - w)
         self.engine.feed(tokens[-w:], segment=segment)
-        self._turn = _TurnCerts(question=self._read_relative())
-        self._set_window(1)
+        self._turn = _TurnCerts(question=self._read_relative()[-w:])
 
     def make_room(self, needed: int) -> bool:
         """Free cells for the next prefill + answer; False when the policy cannot (``full``)."""

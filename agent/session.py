@@ -19,7 +19,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -41,6 +42,21 @@ class InputError(ValueError):
 
 def _ignore(_: ev.Event) -> None:
     return None
+
+
+class _Clock:
+    """Milliseconds spent per phase of a turn (``with clock("evict"): …``)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - start) * 1000.0
 
 
 @dataclass
@@ -136,8 +152,10 @@ class ChatSession:
         snapshot = (self.engine.snapshot(), self.memory.snapshot(), list(self._segments),
                     list(self._turn_certs)) if independent else None
         meta = {"discarded": True} if independent else None
+        clock = _Clock()
         # committed before the model sees it
-        user = self.store.append_user_message(self.conversation_id, text, meta=meta)
+        with clock("store"):
+            user = self.store.append_user_message(self.conversation_id, text, meta=meta)
         on_event(ev.TurnStarted(self.conversation_id, user.id))
         seg = _Segment(user.index, "user", text)
         suffix = self.template.user_suffix(self._rendered(), {"role": "user", "content": text}) \
@@ -163,37 +181,43 @@ class ChatSession:
             self.store.update_message_meta(user.id, {"discarded": True, "cancelled": "prefill"})
             raise
         self.memory.after_prefill()
-        self.store.set_message_tokens(user.id, tokens, first_pos)
+        with clock("store"):
+            self.store.set_message_tokens(user.id, tokens, first_pos)
         self._segments.append(seg)
         on_event(ev.Prefilled(len(tokens), prefill_ms))
 
         started = time.perf_counter()
-        evicted = self.memory.evict(protect_from=first_pos, round_hint=None, conversation_id=self.conversation_id,
-                                    store=self.store, message_id=user.id)
+        with clock("evict"):
+            evicted = self.memory.evict(protect_from=first_pos, round_hint=None, conversation_id=self.conversation_id,
+                                        store=self.store, message_id=user.id)
         if evicted is not None:
-            self.memory.requestion(tokens, user.index)
+            with clock("certificate"):
+                self.memory.requestion(tokens, user.index)
             on_event(ev.Evicted(evicted.round, evicted.cells_before, evicted.cells_after, evicted.budget_cells,
                                 (time.perf_counter() - started) * 1000.0))
 
         reprefill_tokens = 0
         gate_fired = False
-        decision = self.memory.question_gate()
+        with clock("certificate"):
+            decision = self.memory.question_gate()
         if decision.value is not None:
             on_event(ev.CertificateRead("question", decision.value, decision.threshold))
         if decision.fire:
-            reprefill_tokens = self._gate_reprefill(decision, "question", on_event)
+            with clock("reprefill"):
+                reprefill_tokens = self._gate_reprefill(decision, "question", on_event)
             gate_fired = True
 
         if forced_answer is not None:
             gen, answer_msg = self._forced(forced_answer, meta)
         else:
             gen, stream, regen_tokens, fired_mid = self._answer(on_event, cancel, allow_gate=not gate_fired,
-                                                                meta=meta)
+                                                                meta=meta, clock=clock)
             reprefill_tokens += regen_tokens
             gate_fired = gate_fired or fired_mid
-            answer_msg = self._close_answer(gen, stream)
+            answer_msg = self._close_answer(gen, stream, clock)
 
-        stat = self.memory.turn_statistic()
+        with clock("certificate"):
+            stat = self.memory.turn_statistic()
         if gate_fired and decision.fire and decision.value is not None:
             # The re-read resets the cache's certificate; the turn keeps the value that fired the gate.
             stat = decision.value
@@ -207,8 +231,10 @@ class ChatSession:
             gate_fired=gate_fired, reprefill_tokens=reprefill_tokens, prefill_ms=prefill_ms,
             decode_ms=gen.decode_ms, decode_tok_s=gen.tok_per_s, answer_tokens=len(gen.tokens),
             logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None,
+            timings=clock.ms,
         )
-        self._record_turn(result, answer_msg)
+        with clock("store"):
+            self._record_turn(result, answer_msg)
         if history_answer is not None and forced_answer is None and snapshot is None:
             self._replace_last_answer(history_answer, answer_msg)
         if snapshot is not None:
@@ -245,13 +271,15 @@ class ChatSession:
         return gen, msg.id
 
     def _answer(self, on_event: EventSink, cancel: threading.Event | None,
-                allow_gate: bool, meta: dict | None = None) -> tuple[Generation, object, int, bool]:
+                allow_gate: bool, meta: dict | None = None,
+                clock: "_Clock | None" = None) -> tuple[Generation, object, int, bool]:
         """Generate (and on a mid-answer breach, re-prefill and regenerate from the start)."""
         reprefill = 0
         fired = False
         self.sampler.reset()
         while True:
-            stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos, meta=meta)
+            with (clock or _Clock())("store"):
+                stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos, meta=meta)
             index = stream.index
             self.memory.begin_answer()
             breach: list[GateDecision] = []
@@ -275,25 +303,29 @@ class ChatSession:
             stream.cancel()
             self.store.set_message_status(stream.message_id, "interrupted")
             on_event(ev.Regenerating(len(gen.text)))
-            reprefill += self._gate_reprefill(breach[0], "answer", on_event)
+            with (clock or _Clock())("reprefill"):
+                reprefill += self._gate_reprefill(breach[0], "answer", on_event)
             fired = True
             allow_gate = False
             self.sampler.reset()
 
-    def _close_answer(self, gen: Generation, stream: object) -> int:
+    def _close_answer(self, gen: Generation, stream: object, clock: "_Clock | None" = None) -> int:
         from memory_store.stream import AssistantStream  # noqa: PLC0415
 
         assert isinstance(stream, AssistantStream)
         closing = self.template.assistant_closing(self._rendered(), gen.text)
         closing_tokens = self._tokenize(closing, first=False)
         # The closing text belongs to the answer's message; it is fed, not sampled.
+        clock = clock or _Clock()
         if closing_tokens and self.engine.free_cells() >= len(closing_tokens):
-            self.engine.feed(closing_tokens, segment=stream.index, logits_last=False)
-        stream.append("", tokens=list(gen.tokens) + closing_tokens)
-        if gen.stop == "cancelled":
-            stream.cancel()
-        else:
-            stream.finish()
+            with clock("closing"):
+                self.engine.feed(closing_tokens, segment=stream.index, logits_last=False)
+        with clock("store"):
+            stream.append("", tokens=list(gen.tokens) + closing_tokens)
+            if gen.stop == "cancelled":
+                stream.cancel()
+            else:
+                stream.finish()
         self._segments.append(_Segment(stream.index, "assistant", gen.text))
         return stream.message_id
 
@@ -397,7 +429,8 @@ class ChatSession:
             reprefill_tokens=result.reprefill_tokens, decode_tokens=result.answer_tokens,
             prefill_s=result.prefill_ms / 1000.0, decode_s=result.decode_ms / 1000.0,
             tokens_per_s=result.decode_tok_s, seed=self.config.seed,
-            extra={"stop": result.stop, "logprob_mean": result.logprob_mean, "budget": self.config.budget},
+            extra={"stop": result.stop, "logprob_mean": result.logprob_mean, "budget": self.config.budget,
+                   "timings_ms": {k: round(v, 3) for k, v in result.timings.items()}},
         ))
 
     def memory_view(self) -> ev.MemoryView:
