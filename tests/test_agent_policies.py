@@ -110,6 +110,10 @@ def test_answer_certificates_only_when_asked(answer_certificate: bool, engine: E
     r = s.send("What is my locker code?")
     keys = set(r.certificate_detail)
     assert any(k.startswith("question.") for k in keys)
+    # the turn's phases are timed and logged with the turn
+    assert {"evict", "certificate", "store", "closing"} <= set(r.timings) and min(r.timings.values()) >= 0
+    logged = s.store.turns(s.conversation_id)[-1]
+    assert set(logged.extra["timings_ms"]) == set(r.timings)
     assert any(k.startswith("answer.") for k in keys) == answer_certificate
     # an answer.* gate reads the steps whatever the flag says
     s.reconfigure(gate_stat="answer.step_max_q", answer_certificate=False)
