@@ -15,6 +15,7 @@ the optional notes file, which is included verbatim under "Notes".
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
              "(sinks + recent), `topk` (SnapKV-style, deterministic), `random` (uniform Poisson), `poisson` "
              "(importance-proportional Poisson with −log π biases, no gate), `poisson+gate` (certchat: Poisson "
              "eviction plus the certificate gate that re-prefills from the log).", "",
+             "Regenerate this page: `python scripts/make_results.py "
+             + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)) + "`", "",
              "## The paper's claims (targets)", "", "| claim | paper |", "|---|---|"]
     lines += [f"| {claim} | {value} |" for claim, value in PAPER]
     lines.append("")
