@@ -379,22 +379,30 @@ class ChatSession:
         and their tokens written to the log so the next re-read is exact."""
         out = []
         prior: list[TemplateMessage] = []
+        pos = 0
         for m in msgs:
             if m.tokens is None or len(m.tokens) == 0:
+                # A message's rendering depends on its neighbours, not on the whole history: the
+                # system message (if any) and the last two messages keep the template's view of
+                # "first message" and turn boundaries, and keep a long import linear in its length.
+                context = (prior[:1] if prior and prior[0]["role"] == "system" else []) + prior[-2:]
+                if len(prior) <= 3:
+                    context = list(prior)
                 this: TemplateMessage = {"role": m.role, "content": m.content}
                 if m.role == "assistant":
-                    text_tokens = self._tokenize(m.content, first=False)
-                    toks = text_tokens + self._tokenize(self.template.assistant_closing(prior, m.content), first=False)
+                    toks = self._tokenize(m.content, first=False) + self._tokenize(
+                        self.template.assistant_closing(context, m.content), first=False)
                 elif m.role == "user" and prior:
-                    toks = self._tokenize(self.template.user_suffix(prior, this), first=False)
+                    toks = self._tokenize(self.template.user_suffix(context, this), first=False)
                 else:
                     toks = self._tokenize(self.template.render([this], add_generation_prompt=m.role == "user"),
                                           first=not prior)
                 if toks:
-                    m = self.store.set_message_tokens(m.id, toks, first_pos=sum(len(x.tokens) for x in out))
+                    m = self.store.set_message_tokens(m.id, toks, first_pos=pos)
             prior.append({"role": m.role, "content": m.content})
             if m.tokens is not None and len(m.tokens) > 0:
                 out.append(m)
+                pos += len(m.tokens)
         return out
 
     def _make_room(self, needed: int, on_event: EventSink) -> None:

@@ -128,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cli(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    args.argv = argv  # as agent.cli.main records what was typed
     return args.func(args)
 
 
