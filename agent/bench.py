@@ -81,8 +81,7 @@ def design_ms(n: int = 32768, repeats: int = 20) -> float:
     return float(np.median(times))
 
 
-def run(model_name: str, history: int, budget_share: float, threads: int, steps: int,
-        turn_history: int) -> dict[str, Any]:
+def run(model_name: str, history: int, budget_share: float, threads: int, steps: int) -> dict[str, Any]:
     path = models.resolve(model_name)
     out: dict[str, Any] = {"model": model_name, "threads": threads, "history_tokens": history,
                            "budget_share": budget_share, "decode_steps": steps, "cpu_count": os.cpu_count()}
@@ -255,8 +254,7 @@ def main(args: argparse.Namespace) -> int:
                            "budget_share": args.budget, "cpu_count": os.cpu_count()}
     keyed: dict[str, Any] = {}
     if args.only in ("all", "decode"):
-        out.update(run(args.model, history, args.budget, args.threads, 16 if args.quick else args.steps,
-                       turn_history))
+        out.update(run(args.model, history, args.budget, args.threads, 16 if args.quick else args.steps))
         keyed[f"decode_tok_s_full_{history // 1024}k"] = out["decode_tok_s_full"]
         keyed[f"decode_tok_s_poisson_{history // 1024}k_{int(args.budget * 100)}pct"] = out["decode_tok_s_poisson"]
     if args.only in ("all", "turn"):

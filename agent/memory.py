@@ -99,9 +99,8 @@ class CacheManager:
         setting serves the question window of a prefill, the re-read question and one-token decodes."""
         return max(1, self.config.question_window, self.config.cert_window)
 
-    def _set_window(self, rows: int) -> None:
-        """``rows`` > 0: certificate on (with the fixed window); 0: paused (the graph drops it)."""
-        on = rows > 0
+    def _set_certificate(self, on: bool) -> None:
+        """Resume (with the fixed window) or pause (the graph drops it) the certificate of an evicting policy."""
         if self._cert_on and on != (self._window > 0):
             patched.set_attn_certificate(self.engine.ctx.handle, on, self._rows())
             self._window = self._rows() if on else 0
@@ -120,7 +119,7 @@ class CacheManager:
         """The cache was cleared (re-prefill follows)."""
         self._turn = _TurnCerts()
         self._importance = None
-        self._set_window(self.config.question_window)
+        self._set_certificate(True)
 
     def snapshot(self) -> Any:
         return (self.round, self._importance)
@@ -147,7 +146,7 @@ class CacheManager:
     # -- prefill hooks -----------------------------------------------------------------
     def before_prefill(self) -> None:
         """The next feed's last rows are the question: score the cache with them."""
-        self._set_window(self.config.question_window)
+        self._set_certificate(True)
 
     def after_prefill(self) -> None:
         """Keep the question's attention (importance) and certificate of the pre-eviction cache."""
@@ -233,7 +232,7 @@ class CacheManager:
         w = min(self.config.cert_window, len(tokens))
         if not self._cert_on or w == 0:
             return
-        self._set_window(w)
+        self._set_certificate(True)
         self.engine.truncate(self.engine.next_pos - w)
         self.engine.feed(tokens[-w:], segment=segment)
         self._turn = _TurnCerts(question=self._read_relative()[-w:])
@@ -265,7 +264,7 @@ class CacheManager:
     def begin_answer(self) -> None:
         self._turn.answer = []
         self._turn.answer_running_q = None
-        self._set_window(1 if self._answer_certificates() else 0)
+        self._set_certificate(self._answer_certificates())
 
     def step_gate(self) -> GateDecision:
         """Read this decode step's certificate; fire when an answer statistic reaches τ."""

@@ -271,14 +271,13 @@ class ChatSession:
         return gen, msg.id
 
     def _answer(self, on_event: EventSink, cancel: threading.Event | None,
-                allow_gate: bool, meta: dict | None = None,
-                clock: "_Clock | None" = None) -> tuple[Generation, object, int, bool]:
+                allow_gate: bool, clock: "_Clock", meta: dict | None = None) -> tuple[Generation, object, int, bool]:
         """Generate (and on a mid-answer breach, re-prefill and regenerate from the start)."""
         reprefill = 0
         fired = False
         self.sampler.reset()
         while True:
-            with (clock or _Clock())("store"):
+            with clock("store"):
                 stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos, meta=meta)
             index = stream.index
             self.memory.begin_answer()
@@ -303,20 +302,19 @@ class ChatSession:
             stream.cancel()
             self.store.set_message_status(stream.message_id, "interrupted")
             on_event(ev.Regenerating(len(gen.text)))
-            with (clock or _Clock())("reprefill"):
+            with clock("reprefill"):
                 reprefill += self._gate_reprefill(breach[0], "answer", on_event)
             fired = True
             allow_gate = False
             self.sampler.reset()
 
-    def _close_answer(self, gen: Generation, stream: object, clock: "_Clock | None" = None) -> int:
+    def _close_answer(self, gen: Generation, stream: object, clock: "_Clock") -> int:
         from memory_store.stream import AssistantStream  # noqa: PLC0415
 
         assert isinstance(stream, AssistantStream)
         closing = self.template.assistant_closing(self._rendered(), gen.text)
         closing_tokens = self._tokenize(closing, first=False)
         # The closing text belongs to the answer's message; it is fed, not sampled.
-        clock = clock or _Clock()
         if closing_tokens and self.engine.free_cells() >= len(closing_tokens):
             with clock("closing"):
                 self.engine.feed(closing_tokens, segment=stream.index, logits_last=False)
