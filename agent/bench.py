@@ -4,7 +4,8 @@
   `poisson` at a 10% budget after eviction + compaction, and against a fresh context
   holding only the budget's worth of tokens (the best eviction can do);
 - the in-graph certificate's cost on decode (on vs off at the same live cells);
-- the per-turn overhead of eviction + certificate + store writes in a real session turn;
+- the per-turn overhead of eviction + certificate + store writes in a real session turn, for
+  both eviction timings (config `evict_at`: after the question, or at the end of the turn);
 - the design core's time for one eviction round at 32k cells;
 - a gated re-prefill against a steady-state turn.
 
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from agent import models
-from agent.config import Config
+from agent.config import EVICT_AT, Config
 from agent.engine import Engine, EngineSettings
 from native import llama, patched, poisson
 
@@ -146,19 +147,21 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     return out
 
 
-def _turn_overhead(path: Path, model_name: str, threads: int, history: int) -> dict[str, Any]:
+def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evict_at: str,
+                   gated: bool = True) -> dict[str, Any]:
     """Real session turns at a ``history``-token conversation: where the time goes.
 
     The overhead the issue bounds is eviction + certificate + store writes (the phases the
     session times, ``TurnResult.timings``), as a share of the turn's wall time. Reported for
     the first eviction (4k → budget, the largest) and for steady-state turns (each evicts
-    about what the previous turn added, as in a long chat)."""
+    about what the previous turn added, as in a long chat). ``evict_at`` chooses when turns evict
+    (config ``evict_at``); ``gated`` adds one turn whose gate is forced to fire."""
     from agent import events as ev  # noqa: PLC0415
     from agent.session import ChatSession  # noqa: PLC0415
     from memory_store.store import Store  # noqa: PLC0415
 
     cfg = Config(model=model_name, n_ctx=history + 1024, policy="poisson", budget="10%", max_tokens=48,
-                 gate="off", threads=threads)
+                 gate="off", threads=threads, evict_at=evict_at)
     eng = Engine(EngineSettings(model_path=path, n_ctx=cfg.n_ctx, n_batch=512, threads=threads))
     overhead_phases = ("evict", "certificate", "store")
 
@@ -180,15 +183,22 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int) -> d
         first, first_wall = timed("Summarise what we talked about in one sentence.")
         steady = [timed(q) for q in ("And in three words?", "Which names came up most?",
                                      "Was anything said about travel?", "Anything about work?")]
-        # A gated turn: τ = 0 forces the re-prefill of the whole history from the log.
-        session.reconfigure(gate="0")
-        gated, gated_wall = timed("One more time, briefly?")
+        if gated:
+            # A gated turn: τ = 0 forces the re-prefill of the whole history from the log.
+            session.reconfigure(gate="0")
+            gated_turn: tuple[ev.TurnResult, float] | None = timed("One more time, briefly?")
+        else:
+            gated_turn = None
         session.close()
     eng.close()
     walls = [w for _, w in steady]
     phases = {k: float(np.median([r.timings.get(k, 0.0) for r, _ in steady])) for k in
               (*overhead_phases, "closing", "reprefill")}
+    gated_keys = {} if gated_turn is None else {
+        "gated_turn_ms": gated_turn[1], "gated_reprefill_tokens": gated_turn[0].reprefill_tokens,
+        "gated_reprefill_ms": gated_turn[0].timings.get("reprefill", 0.0)}
     return {
+        "turn_evict_at": evict_at,
         "turn_history_tokens": history,
         "turn_overhead": float(np.median([share(r, w) for r, w in steady])),
         "turn_wall_ms": float(np.median(walls)),
@@ -200,8 +210,7 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int) -> d
         "first_turn_overhead": share(first, first_wall), "first_turn_wall_ms": first_wall,
         **{f"first_turn_{k}_ms": first.timings.get(k, 0.0) for k in overhead_phases},
         "steady_turn_ms": float(np.median(walls)),
-        "gated_turn_ms": gated_wall, "gated_reprefill_tokens": gated.reprefill_tokens,
-        "gated_reprefill_ms": gated.timings.get("reprefill", 0.0),
+        **gated_keys,
     }
 
 
@@ -233,8 +242,20 @@ def render(out: dict[str, Any]) -> str:
 
 
 def _turn_lines(out: dict[str, Any], f: Any) -> list[str]:
-    return [
-        f"steady turn at {out['turn_history_tokens']} tokens (median of 4): wall {f('turn_wall_ms', '{:.0f}')} ms = "
+    lines = _turn_mode_lines(out, f)
+    for mode, other in out.get("turn_by_evict_at", {}).items():
+        if mode != out.get("turn_evict_at"):
+            def g(key: str, fmt: str = "{:.1f}", _o: dict[str, Any] = other) -> str:
+                value = _o.get(key)
+                return fmt.format(value) if isinstance(value, (int, float)) else "—"
+            lines += _turn_mode_lines(other, g)
+    return lines
+
+
+def _turn_mode_lines(out: dict[str, Any], f: Any) -> list[str]:
+    lines = [
+        f"steady turn at {out['turn_history_tokens']} tokens, evict_at={out.get('turn_evict_at')} (median of 4): "
+        f"wall {f('turn_wall_ms', '{:.0f}')} ms = "
         f"prefill {f('turn_prefill_ms', '{:.0f}')} + decode {f('turn_decode_ms', '{:.0f}')} "
         f"({f('turn_answer_tokens', '{:.0f}')} tokens) + evict {f('turn_evict_ms', '{:.0f}')} + certificate "
         f"{f('turn_certificate_ms', '{:.0f}')} + store {f('turn_store_ms', '{:.0f}')} + closing "
@@ -242,9 +263,11 @@ def _turn_lines(out: dict[str, Any], f: Any) -> list[str]:
         f"  overhead (evict + certificate + store) / wall    : {f('turn_overhead', '{:.1%}')}   "
         f"first eviction from the full history: {f('first_turn_overhead', '{:.1%}')} of "
         f"{f('first_turn_wall_ms', '{:.0f}')} ms",
-        f"steady-state turn {f('steady_turn_ms', '{:.0f}')} ms vs gated turn {f('gated_turn_ms', '{:.0f}')} ms "
-        f"(re-prefilled {out.get('gated_reprefill_tokens')} tokens in {f('gated_reprefill_ms', '{:.0f}')} ms)",
     ]
+    if "gated_turn_ms" in out:
+        lines.append(f"steady-state turn {f('steady_turn_ms', '{:.0f}')} ms vs gated turn {f('gated_turn_ms', '{:.0f}')} ms "
+                     f"(re-prefilled {out.get('gated_reprefill_tokens')} tokens in {f('gated_reprefill_ms', '{:.0f}')} ms)")
+    return lines
 
 
 def main(args: argparse.Namespace) -> int:
@@ -258,7 +281,16 @@ def main(args: argparse.Namespace) -> int:
         keyed[f"decode_tok_s_full_{history // 1024}k"] = out["decode_tok_s_full"]
         keyed[f"decode_tok_s_poisson_{history // 1024}k_{int(args.budget * 100)}pct"] = out["decode_tok_s_poisson"]
     if args.only in ("all", "turn"):
-        out.update(_turn_overhead(models.resolve(args.model), args.model, args.threads, turn_history))
+        # both eviction timings, side by side; the configured default's figures are the top-level keys
+        default = Config().evict_at
+        by_mode: dict[str, Any] = {}
+        for mode in sorted(EVICT_AT, key=lambda m: m != default):
+            by_mode[mode] = _turn_overhead(models.resolve(args.model), args.model, args.threads, turn_history,
+                                           evict_at=mode, gated=mode == default)
+        out.update(by_mode[default])
+        out["turn_by_evict_at"] = by_mode
+        for mode, res in by_mode.items():
+            out[f"turn_overhead_{mode.replace('-', '_')}"] = res["turn_overhead"]
     keyed = {**out, **keyed}
     print(render(out))
     if args.json:

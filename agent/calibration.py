@@ -4,6 +4,10 @@ The gating study (`certchat replay --study gating --write-calibration STAT`) wri
 ``gate_calibration.json`` next to this module, with the figures and the commands that chose
 it; ``gate = "auto"`` and ``gate_stat = "auto"`` in the config resolve through here, so the
 default always cites the data behind it.
+
+The certificate a turn reads depends on when the cache was evicted (config ``evict_at``), so
+the file keeps one record per ``evict_at`` (``{"calibrations": [...]}``; a file holding a
+single record is one calibrated with ``evict_at = "question"``, the only timing there was).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from agent.config import DEFAULT_EVICT_AT
 
 PATH = Path(__file__).parent / "gate_calibration.json"
 
@@ -35,15 +41,24 @@ class GateCalibration:
     record: dict[str, Any]
 
 
-@lru_cache(maxsize=4)
-def load(path: Path = PATH) -> GateCalibration | None:
-    """The calibration record, or None (logged) when the file is missing or unreadable."""
+def _records(path: Path) -> list[dict[str, Any]]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    records = data["calibrations"] if isinstance(data, dict) and "calibrations" in data else [data]
+    return [{**r, "evict_at": r.get("evict_at", "question")} for r in records]
+
+
+@lru_cache(maxsize=8)
+def load(path: Path = PATH, evict_at: str = DEFAULT_EVICT_AT) -> GateCalibration | None:
+    """The calibration record for ``evict_at``, or None (logged) when the file is missing, unreadable
+    or has no record for that timing."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        return GateCalibration(statistic=str(record["statistic"]), tau=float(record["tau"]),
-                               rule=str(record.get("rule", "fillers")), model=record.get("model"),
-                               command=record.get("command"), study_command=record.get("study_command"),
-                               record=record)
+        for record in _records(path):
+            if record["evict_at"] == evict_at:
+                return GateCalibration(statistic=str(record["statistic"]), tau=float(record["tau"]),
+                                       rule=str(record.get("rule", "fillers")), model=record.get("model"),
+                                       command=record.get("command"), study_command=record.get("study_command"),
+                                       record=record)
+        log.warning("no gate calibration for evict_at = %r in %s: gate 'auto' is off", evict_at, path)
     except FileNotFoundError:
         log.warning("no gate calibration at %s: gate 'auto' is off", path)
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -51,14 +66,14 @@ def load(path: Path = PATH) -> GateCalibration | None:
     return None
 
 
-def default_statistic() -> str:
-    cal = load()
+def default_statistic(evict_at: str = DEFAULT_EVICT_AT) -> str:
+    cal = load(PATH, evict_at)
     return cal.statistic if cal else FALLBACK_STATISTIC
 
 
-def default_tau(statistic: str) -> float | None:
-    """τ for ``statistic`` when the calibration chose that statistic; None (gate off) otherwise."""
-    cal = load()
+def default_tau(statistic: str, evict_at: str = DEFAULT_EVICT_AT) -> float | None:
+    """τ for ``statistic`` when the calibration for ``evict_at`` chose that statistic; None (gate off) otherwise."""
+    cal = load(PATH, evict_at)
     if cal is None:
         return None
     if cal.statistic != statistic:
@@ -69,7 +84,14 @@ def default_tau(statistic: str) -> float | None:
 
 
 def write(record: dict[str, Any], path: Path = PATH) -> Path:
+    """Add ``record`` to the file, replacing the record of the same ``evict_at``."""
+    record = {**record, "evict_at": record.get("evict_at", "question")}
+    try:
+        others = [r for r in _records(path) if r["evict_at"] != record["evict_at"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        others = []
+    records = sorted([*others, record], key=lambda r: r["evict_at"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    path.write_text(json.dumps({"calibrations": records}, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     load.cache_clear()
     return path

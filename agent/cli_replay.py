@@ -31,7 +31,8 @@ def _default_out(kind: str) -> Path:
 
 def _base_config(args: argparse.Namespace) -> config_mod.Config:
     cfg = config_mod.load()
-    return cfg.replace(model=args.model, threads=args.threads, gpu_layers=getattr(args, "gpu_layers", None))
+    return cfg.replace(model=args.model, threads=args.threads, gpu_layers=getattr(args, "gpu_layers", None),
+                       evict_at=getattr(args, "evict_at", None))
 
 
 def _emit(doc: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
@@ -207,6 +208,9 @@ def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int) -> Non
     p.add_argument("--json", action="store_true", help="print the aggregate as one JSON object on the last line")
     p.add_argument("--max-tokens", type=int, default=64, dest="max_tokens", help="longest generated answer")
     p.add_argument("--threads", type=int)
+    p.add_argument("--evict-at", choices=config_mod.EVICT_AT, dest="evict_at",
+                   help="when evicting policies evict: after the question is prefilled, or at the end of the turn "
+                        "(default: the config's evict_at)")
     p.add_argument("--generate-fillers", action="store_true", dest="generate_fillers",
                    help="also answer every scripted turn (then restore the script's reply), so the answer-phase "
                         "certificate and confidence exist on fillers; the studies need it")

@@ -16,6 +16,8 @@ from typing import Any, get_type_hints
 from agent import paths
 
 POLICIES = ("full", "window", "topk", "random", "poisson")
+EVICT_AT = ("question", "turn-end")
+DEFAULT_EVICT_AT = "question"
 
 
 class ConfigError(ValueError):
@@ -68,6 +70,11 @@ class Config:
     """Share of the budget kept deterministically by score (the top slice) before the Poisson tail."""
     floor: float = 0.05
     """Score floor, as a share of the mean unprotected score, so every unprotected π stays > 0."""
+    evict_at: str = DEFAULT_EVICT_AT
+    """When the cache is brought back to its budget: "question" (after the user's message is prefilled, so its
+    attention decides what stays; the question's last cert_window tokens are then re-read on the evicted cache to
+    certify it) or "turn-end" (after the answer, scored by the question's attention; the next message's prefill
+    certifies the evicted cache itself, so no re-read: cheaper turns, eviction blind to the next question)."""
     question_window: int = 32
     """Last prompt tokens whose attention scores the cache for eviction (SnapKV's observation window)."""
     cert_window: int = 8
@@ -121,6 +128,8 @@ class Config:
                               f"got {self.top_share}")
         if self.floor < 0:
             raise ConfigError(f"floor: must be 0 or more, got {self.floor}")
+        if self.evict_at not in EVICT_AT:
+            raise ConfigError(f"evict_at: must be one of {', '.join(EVICT_AT)}, got {self.evict_at!r}")
         if not 1 <= self.question_window <= 64 or not 1 <= self.cert_window <= 64:
             raise ConfigError("question_window/cert_window: must be in [1, 64]")
         if self.gate_stat != "auto" and not (self.gate_stat.startswith("question.")

@@ -5,11 +5,13 @@ applies it to the KV cache (remove, bias, compact through ``native.patched``), a
 the in-graph certificate terms to the gate statistic. The session asks it three things:
 evict now?, does the question breach the gate?, does this answer step breach it?
 
-Eviction is question-aware: it runs after the user's message is prefilled, so the
-attention of the message's last ``question_window`` tokens decides what matters. The
-question-window certificate is then recomputed on the evicted cache by re-decoding the
-last ``cert_window`` tokens (same tokens, same positions), so the gate sees the error of
-the cache that will actually answer.
+With ``evict_at = "question"`` eviction is question-aware: it runs after the user's message
+is prefilled, so the attention of the message's last ``question_window`` tokens decides what
+matters, and the question-window certificate is then recomputed on the evicted cache by
+re-decoding the last ``cert_window`` tokens (same tokens, same positions), so the gate sees
+the error of the cache that will actually answer. With ``evict_at = "turn-end"`` the session
+evicts after the answer (still scored by the question's attention) and the next message's
+prefill runs on the evicted cache, so its own window certifies it without a re-read.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class CacheManager:
     def gate_stat(self) -> str:
         """The configured turn statistic, "auto" resolved to the calibrated one."""
         stat = self.config.gate_stat
-        return calibration.default_statistic() if stat == "auto" else stat
+        return calibration.default_statistic(self.config.evict_at) if stat == "auto" else stat
 
     def reconfigure(self, config: Config) -> None:
         self.config = config
@@ -140,7 +142,7 @@ class CacheManager:
     def threshold(self) -> float | None:
         gate = parse_gate(self.config.gate)
         if gate == "auto":
-            return calibration.default_tau(self.gate_stat)
+            return calibration.default_tau(self.gate_stat, self.config.evict_at)
         return gate if isinstance(gate, float) else None
 
     # -- prefill hooks -----------------------------------------------------------------
@@ -152,8 +154,13 @@ class CacheManager:
         """Keep the question's attention (importance) and certificate of the pre-eviction cache."""
         if not self._cert_on:
             return
-        self._importance = patched.get_importance(self.engine.ctx.handle)
+        self.read_importance()
         self._turn = _TurnCerts(question=self._read_relative()[-self.config.cert_window:])
+
+    def read_importance(self) -> None:
+        """Keep the attention the last prefill's window rows paid each cell (the next eviction's scores)."""
+        if self._cert_on and self._window:
+            self._importance = patched.get_importance(self.engine.ctx.handle)
 
     def _read_relative(self) -> np.ndarray:
         """(rows, layers, heads) relative certificate of the last ubatch; layers without attention dropped."""

@@ -5,13 +5,15 @@ One ``ChatSession`` drives one conversation at a time on one engine:
 1. the user's message is committed to the SQLite log before the model sees it;
 2. the template suffix it adds is tokenized and prefilled (its exact token ids and first
    position go to the log);
-3. the cache manager evicts down to the budget (question-aware: after the question is in
-   the cache, so its attention decides what matters) and reads the question-window
-   certificate;
+3. the cache manager evicts down to the budget (``evict_at = "question"``: after the question
+   is in the cache, so its attention decides what matters, then the question window is re-read
+   on the evicted cache) and reads the question-window certificate (``"turn-end"``: the cache was
+   evicted at the end of the previous turn, so the prefill's own window certifies it);
 4. if the gate statistic reaches τ, the whole history is re-prefilled from the log's
    exact token ids and the answer comes from the full context;
 5. the answer streams into the log (partial → complete / interrupted); per-step
-   certificates feed the running maximum; the turn's measurements are recorded.
+   certificates feed the running maximum; with ``evict_at = "turn-end"`` the cache is evicted
+   back to its budget; the turn's measurements are recorded.
 """
 
 from __future__ import annotations
@@ -180,21 +182,16 @@ class ChatSession:
             self.engine.truncate(first_pos)
             self.store.update_message_meta(user.id, {"discarded": True, "cancelled": "prefill"})
             raise
-        self.memory.after_prefill()
+        with clock("certificate"):
+            self.memory.after_prefill()
         with clock("store"):
             self.store.set_message_tokens(user.id, tokens, first_pos)
         self._segments.append(seg)
         on_event(ev.Prefilled(len(tokens), prefill_ms))
 
-        started = time.perf_counter()
-        with clock("evict"):
-            evicted = self.memory.evict(protect_from=first_pos, round_hint=None, conversation_id=self.conversation_id,
-                                        store=self.store, message_id=user.id)
-        if evicted is not None:
-            with clock("certificate"):
-                self.memory.requestion(tokens, user.index)
-            on_event(ev.Evicted(evicted.round, evicted.cells_before, evicted.cells_after, evicted.budget_cells,
-                                (time.perf_counter() - started) * 1000.0))
+        at_turn_end = self.config.evict_at == "turn-end"
+        if not at_turn_end:
+            self._evict(first_pos, user.id, clock, on_event, requestion=(tokens, user.index))
 
         reprefill_tokens = 0
         gate_fired = False
@@ -206,6 +203,8 @@ class ChatSession:
             with clock("reprefill"):
                 reprefill_tokens = self._gate_reprefill(decision, "question", on_event)
             gate_fired = True
+            # the re-read ends with this message: its window's attention scores the turn-end eviction
+            self.memory.read_importance()
 
         if forced_answer is not None:
             gen, answer_msg = self._forced(forced_answer, meta)
@@ -215,6 +214,8 @@ class ChatSession:
             reprefill_tokens += regen_tokens
             gate_fired = gate_fired or fired_mid
             answer_msg = self._close_answer(gen, stream, clock)
+        if at_turn_end and snapshot is None and history_answer is None:
+            self._evict(first_pos, user.id, clock, on_event)
 
         with clock("certificate"):
             stat = self.memory.turn_statistic()
@@ -237,6 +238,8 @@ class ChatSession:
             self._record_turn(result, answer_msg)
         if history_answer is not None and forced_answer is None and snapshot is None:
             self._replace_last_answer(history_answer, answer_msg)
+            if at_turn_end:
+                self._evict(first_pos, user.id, clock, on_event)
         if snapshot is not None:
             engine_snap, memory_snap, segments, certs = snapshot
             self.engine.restore(engine_snap)
@@ -244,6 +247,22 @@ class ChatSession:
             self._segments, self._turn_certs = segments, certs
         on_event(ev.TurnFinished(result, self.memory_view()))
         return result
+
+    def _evict(self, protect_from: int, message_id: int, clock: _Clock, on_event: EventSink,
+               requestion: tuple[list[int], int] | None = None) -> None:
+        """Bring the cache back to its budget, keeping this turn's message (positions ≥ ``protect_from``);
+        with ``requestion`` (the message's tokens and index), re-read its window on the evicted cache."""
+        started = time.perf_counter()
+        with clock("evict"):
+            evicted = self.memory.evict(protect_from=protect_from, round_hint=None,
+                                        conversation_id=self.conversation_id, store=self.store, message_id=message_id)
+        if evicted is None:
+            return
+        if requestion is not None:
+            with clock("certificate"):
+                self.memory.requestion(*requestion)
+        on_event(ev.Evicted(evicted.round, evicted.cells_before, evicted.cells_after, evicted.budget_cells,
+                            (time.perf_counter() - started) * 1000.0))
 
     def _replace_last_answer(self, text: str, message_id: int) -> None:
         """Swap the generated answer (the newest cells) for ``text`` in the cache and the log."""

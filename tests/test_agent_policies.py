@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agent import policies
-from agent.config import Config
+from agent.config import EVICT_AT, Config
 from agent.engine import Engine, EngineSettings
 from agent.session import ChatSession
 from memory_store.store import Store
@@ -26,12 +26,18 @@ def engine(small_model: Path):
     eng.close()
 
 
+@pytest.mark.parametrize("evict_at", EVICT_AT)
 @pytest.mark.parametrize("policy", sorted(policies.POLICIES))
-def test_policy_matrix(policy: str, engine: Engine, tmp_path: Path) -> None:
+def test_policy_matrix(policy: str, evict_at: str, engine: Engine, tmp_path: Path,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = Config(model="smollm2-135m", n_ctx=2048, policy=policy, budget=str(BUDGET), max_tokens=12,
-                 gate="off", page_size=4, seed=7)
+                 gate="off", page_size=4, seed=7, evict_at=evict_at)
     store = Store(tmp_path / "log.db")
     s = ChatSession(cfg, store, engine, "smollm2-135m")
+    if evict_at == "turn-end":
+        def no_reread(*_: object) -> None:
+            raise AssertionError("turn-end eviction certifies the cache at the next prefill, without a re-read")
+        monkeypatch.setattr(s.memory, "requestion", no_reread)
     for i, text in enumerate(FACTS + FILLERS):
         r = s.send(text, forced_answer="Noted." if i < len(FACTS) else None)
         positions = np.asarray(engine.cache.positions)
@@ -44,6 +50,9 @@ def test_policy_matrix(policy: str, engine: Engine, tmp_path: Path) -> None:
             new = engine.next_pos - r.live_cells
             assert new >= 0
             assert r.budget_cells == BUDGET
+            if evict_at == "turn-end":
+                # evicted after the answer: the turn ends at the budget
+                assert r.live_cells <= BUDGET + SLACK
         assert r.answer
     r = s.send("What is my locker code?")
     assert r.answer

@@ -108,7 +108,8 @@ def run(scripts: list[Script], settings: Settings, base: Config,
         "jobs": len(jobs),
         # the design settings every policy shares (from the config file unless a variant overrides them)
         "design": {k: getattr(cfg, k) for k in ("sinks", "recent", "page_size", "top_share", "floor",
-                                                 "question_window", "cert_window", "gate_stat", "system_prompt")
+                                                 "question_window", "cert_window", "gate_stat", "evict_at",
+                                                 "system_prompt")
                    if hasattr(cfg, k)},
         **settings.extra_meta,
     }

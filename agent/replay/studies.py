@@ -387,6 +387,8 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
         raise ValueError(f"no calibration of {statistic} ({protocol}) in this study")
     best = max(matches, key=lambda c: len(c["budgets"]))
     return {"statistic": statistic, "tau": best["tau"], "rule": rule, "filler_target": best["filler_target"],
+            # the replays' eviction timing (results without it predate the setting: "question")
+            "evict_at": result["meta"].get("design", {}).get("evict_at", "question"),
             "probe_target": best.get("probe_target"),
             "budgets": best["budgets"], "protocol": protocol, "in_sample": best["in_sample"],
             "leave_one_script_out": best["leave_one_script_out"],
