@@ -140,6 +140,7 @@ def test_study_from_results_on_disk_and_the_calibration_file(tmp_path, capsys) -
     record = studies.calibration_record(result, "question.q")
     assert record["tau"] == studies.calibrate(doc, "question.q")["tau"] and record["model"] == "m"
     path = studies.write_calibration(record, tmp_path / "cal.json")
-    assert json.loads(path.read_text())["statistic"] == "question.q"
+    written = json.loads(path.read_text())["calibrations"]
+    assert [(r["statistic"], r["evict_at"]) for r in written] == [("question.q", "question")]
     with pytest.raises(ValueError, match="no calibration of nothing"):
         studies.calibration_record(result, "nothing")

@@ -14,8 +14,8 @@ With ``generate_fillers`` a scripted (user + assistant) turn is answered like a 
 generated, then replaced — so the answer-phase certificate and the output confidence exist
 on fillers too (the studies need a gate's rate on the turns that do not need old context).
 
-Protocols (DESIGN.md §7 says why both): ``multi-round`` evicts after every user message,
-as a live chat does; ``one-shot`` keeps the full cache for the history and evicts once,
+Protocols (DESIGN.md §7 says why both): ``multi-round`` evicts every turn, as a live chat
+does (after the user message or at the turn's end, as ``evict_at`` says); ``one-shot`` keeps the full cache for the history and evicts once,
 from the full history, at each probe (the probe is answered independently under the
 policy, then re-entered under ``full``; with ``generate_fillers`` every scripted turn is).
 
@@ -292,13 +292,16 @@ class Runner:
 
     def _one_shot_probe(self, session: Any, step: Step, cfg: Config, full_cfg: Config,
                         script: Script) -> dict[str, Any]:
-        """Evict once from the full history at this probe, answer, then continue under ``full``."""
+        """Evict once from the full history at this probe, answer, then continue under ``full``.
+
+        The one eviction happens after the probe is prefilled whatever ``evict_at`` says: a
+        turn-end eviction would come after the answer, leaving the probe answered from the full cache."""
         history = self.engine.next_pos
-        session.reconfigure(policy=cfg.policy, budget=cfg.budget, gate=cfg.gate)
+        session.reconfigure(policy=cfg.policy, budget=cfg.budget, gate=cfg.gate, evict_at="question")
         try:
             result, watch = self._send(session, step, script, independent=True)
         finally:
-            session.reconfigure(policy="full", gate="off", budget=full_cfg.budget)
+            session.reconfigure(policy="full", gate="off", budget=full_cfg.budget, evict_at=full_cfg.evict_at)
         record = self._record(step, script, result, watch, history)
         if not step.independent:
             # Re-enter the probe under the full cache with the script's answer (or the one
