@@ -73,8 +73,9 @@ class Config:
     evict_at: str = DEFAULT_EVICT_AT
     """When the cache is brought back to its budget: "question" (after the user's message is prefilled, so its
     attention decides what stays; the question's last cert_window tokens are then re-read on the evicted cache to
-    certify it) or "turn-end" (after the answer, scored by the question's attention; the next message's prefill
-    certifies the evicted cache itself, so no re-read: cheaper turns, eviction blind to the next question)."""
+    certify it) or "turn-end" (after the answer, scored by the question's and the closing tokens' attention; the
+    next message's prefill certifies the evicted cache itself, so no re-read: cheaper turns, eviction blind to the
+    next question)."""
     question_window: int = 32
     """Last prompt tokens whose attention scores the cache for eviction (SnapKV's observation window)."""
     cert_window: int = 8

@@ -10,8 +10,9 @@ is prefilled, so the attention of the message's last ``question_window`` tokens 
 matters, and the question-window certificate is then recomputed on the evicted cache by
 re-decoding the last ``cert_window`` tokens (same tokens, same positions), so the gate sees
 the error of the cache that will actually answer. With ``evict_at = "turn-end"`` the session
-evicts after the answer (still scored by the question's attention) and the next message's
-prefill runs on the evicted cache, so its own window certifies it without a re-read.
+evicts after the answer (scored by the question's attention and the answer's closing tokens'
+attention, protecting only the sinks and the recent window) and the next message's prefill runs
+on the evicted cache, so its own window certifies it without a re-read.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class CacheManager:
         self.config = config
         self.round = 0
         self._turn = _TurnCerts()
-        self._importance: patched.Importance | None = None
+        self._importance: list[patched.Importance] = []
+        """Attention readings since the last eviction (the question's window; at turn end also the closing's)."""
         self._cert_on = False
         self._window = 0
         self.reconfigure(config)
@@ -120,15 +122,15 @@ class CacheManager:
     def reset_cache_state(self) -> None:
         """The cache was cleared (re-prefill follows)."""
         self._turn = _TurnCerts()
-        self._importance = None
+        self._importance = []
         self._set_certificate(True)
 
     def snapshot(self) -> Any:
-        return (self.round, self._importance)
+        return (self.round, list(self._importance))
 
     def restore(self, snap: Any) -> None:
         """After an engine restore: state files carry no biases, so write them again."""
-        self.round, self._importance = snap
+        self.round, self._importance = snap[0], list(snap[1])
         self._write_biases(np.ones(len(self.engine.cache), dtype=bool))
 
     # -- budget ----------------------------------------------------------------------------
@@ -154,13 +156,31 @@ class CacheManager:
         """Keep the question's attention (importance) and certificate of the pre-eviction cache."""
         if not self._cert_on:
             return
+        self._importance = []
         self.read_importance()
         self._turn = _TurnCerts(question=self._read_relative()[-self.config.cert_window:])
 
-    def read_importance(self) -> None:
-        """Keep the attention the last prefill's window rows paid each cell (the next eviction's scores)."""
+    def read_importance(self, add: bool = False) -> None:
+        """Keep the attention the last feed's window rows paid each cell (the next eviction's scores);
+        ``add`` keeps the earlier readings too (a turn-end eviction scores with the question's and the
+        closing's attention)."""
         if self._cert_on and self._window:
-            self._importance = patched.get_importance(self.engine.ctx.handle)
+            reading = patched.get_importance(self.engine.ctx.handle)
+            self._importance = [*self._importance, reading] if add else [reading]
+
+    def before_closing(self) -> None:
+        """A turn-end eviction follows: the answer's closing tokens score the answer, which no question saw."""
+        self._set_certificate(True)
+
+    def _scores(self, positions: np.ndarray) -> np.ndarray | None:
+        """Importance per position: each reading as a share of its own mass, summed over the readings."""
+        if not self._importance:
+            return None
+        total = np.zeros(len(positions), dtype=np.float64)
+        for reading in self._importance:
+            mass = reading.per_position(positions)
+            total += mass / max(float(mass.sum()), 1e-30)
+        return total
 
     def _read_relative(self) -> np.ndarray:
         """(rows, layers, heads) relative certificate of the last ubatch; layers without attention dropped."""
@@ -183,7 +203,7 @@ class CacheManager:
         positions = np.asarray(cache.positions, dtype=np.int64)
         segments = np.asarray(cache.segments, dtype=np.int64)
         protected = self._protected(positions, protect_from)
-        importance = self._importance.per_position(positions) if self._importance is not None else None
+        importance = self._scores(positions)
         scores = pol.score(policies.CacheView(positions, segments, importance))
         unprotected = scores[~protected]
         floor = self.config.floor * float(unprotected.mean()) if unprotected.size and pol.method == "poisson" else 0.0
@@ -214,7 +234,7 @@ class CacheManager:
                 cells_before=n, cells_after=len(cache), expected_budget=float(target), seed=self.config.seed,
                 sum_pi=float(plan.expected_kept)))
         self.round += 1
-        self._importance = None  # cell indices moved; importance is read again at the next prefill
+        self._importance = []  # cell indices moved; importance is read again at the next prefill
         return report
 
     def _protected(self, positions: np.ndarray, protect_from: int) -> np.ndarray:

@@ -215,7 +215,7 @@ class ChatSession:
             gate_fired = gate_fired or fired_mid
             answer_msg = self._close_answer(gen, stream, clock)
         if at_turn_end and snapshot is None and history_answer is None:
-            self._evict(first_pos, user.id, clock, on_event)
+            self._evict(self.engine.next_pos, user.id, clock, on_event)
 
         with clock("certificate"):
             stat = self.memory.turn_statistic()
@@ -239,7 +239,7 @@ class ChatSession:
         if history_answer is not None and forced_answer is None and snapshot is None:
             self._replace_last_answer(history_answer, answer_msg)
             if at_turn_end:
-                self._evict(first_pos, user.id, clock, on_event)
+                self._evict(self.engine.next_pos, user.id, clock, on_event)
         if snapshot is not None:
             engine_snap, memory_snap, segments, certs = snapshot
             self.engine.restore(engine_snap)
@@ -250,8 +250,9 @@ class ChatSession:
 
     def _evict(self, protect_from: int, message_id: int, clock: _Clock, on_event: EventSink,
                requestion: tuple[list[int], int] | None = None) -> None:
-        """Bring the cache back to its budget, keeping this turn's message (positions ≥ ``protect_from``);
-        with ``requestion`` (the message's tokens and index), re-read its window on the evicted cache."""
+        """Bring the cache back to its budget, keeping positions ≥ ``protect_from`` (after a question: the
+        message; at turn end: nothing beyond the sinks and the recent window, as the next question will find
+        it); with ``requestion`` (the message's tokens and index), re-read its window on the evicted cache."""
         started = time.perf_counter()
         with clock("evict"):
             evicted = self.memory.evict(protect_from=protect_from, round_hint=None,
@@ -280,7 +281,9 @@ class ChatSession:
         tokens = self._tokenize(text, first=False)
         closing = self._tokenize(self.template.assistant_closing(self._rendered(), text), first=False)
         started = time.perf_counter()
-        self.engine.feed(tokens + closing, segment=index, logits_last=False)
+        if tokens:
+            self.engine.feed(tokens, segment=index, logits_last=False)
+        self._feed_closing(closing, index)
         msg = self.store.append_message(self.conversation_id, "assistant", text, tokens=tokens + closing,
                                         first_pos=first, meta={**(meta or {}), "forced": True})
         assert msg.index == index
@@ -327,6 +330,18 @@ class ChatSession:
             allow_gate = False
             self.sampler.reset()
 
+    def _feed_closing(self, closing: list[int], segment: int) -> None:
+        """Feed an answer's closing text (e.g. ``<|im_end|>``). Before a turn-end eviction its rows are
+        read as attention too: the question's window never saw the answer, the closing rows did."""
+        if not closing:
+            return
+        scores_answer = self.config.evict_at == "turn-end"
+        if scores_answer:
+            self.memory.before_closing()
+        self.engine.feed(closing, segment=segment, logits_last=False)
+        if scores_answer:
+            self.memory.read_importance(add=True)
+
     def _close_answer(self, gen: Generation, stream: object, clock: "_Clock") -> int:
         from memory_store.stream import AssistantStream  # noqa: PLC0415
 
@@ -336,7 +351,7 @@ class ChatSession:
         # The closing text belongs to the answer's message; it is fed, not sampled.
         if closing_tokens and self.engine.free_cells() >= len(closing_tokens):
             with clock("closing"):
-                self.engine.feed(closing_tokens, segment=stream.index, logits_last=False)
+                self._feed_closing(closing_tokens, stream.index)
         with clock("store"):
             stream.append("", tokens=list(gen.tokens) + closing_tokens)
             if gen.stop == "cancelled":
