@@ -283,7 +283,8 @@ class ChatSession:
         started = time.perf_counter()
         if tokens:
             self.engine.feed(tokens, segment=index, logits_last=False)
-        self._feed_closing(closing, index)
+        if self._feed_closing(closing, index):
+            self.memory.read_importance(add=True)
         msg = self.store.append_message(self.conversation_id, "assistant", text, tokens=tokens + closing,
                                         first_pos=first, meta={**(meta or {}), "forced": True})
         assert msg.index == index
@@ -330,17 +331,17 @@ class ChatSession:
             allow_gate = False
             self.sampler.reset()
 
-    def _feed_closing(self, closing: list[int], segment: int) -> None:
-        """Feed an answer's closing text (e.g. ``<|im_end|>``). Before a turn-end eviction its rows are
-        read as attention too: the question's window never saw the answer, the closing rows did."""
+    def _feed_closing(self, closing: list[int], segment: int) -> bool:
+        """Feed an answer's closing text (e.g. ``<|im_end|>``); True when a turn-end eviction follows, whose
+        scores then need the closing rows' attention (the question's window never saw the answer; call
+        ``memory.read_importance(add=True)``)."""
         if not closing:
-            return
+            return False
         scores_answer = self.config.evict_at == "turn-end"
         if scores_answer:
             self.memory.before_closing()
         self.engine.feed(closing, segment=segment, logits_last=False)
-        if scores_answer:
-            self.memory.read_importance(add=True)
+        return scores_answer
 
     def _close_answer(self, gen: Generation, stream: object, clock: "_Clock") -> int:
         from memory_store.stream import AssistantStream  # noqa: PLC0415
@@ -351,7 +352,10 @@ class ChatSession:
         # The closing text belongs to the answer's message; it is fed, not sampled.
         if closing_tokens and self.engine.free_cells() >= len(closing_tokens):
             with clock("closing"):
-                self._feed_closing(closing_tokens, stream.index)
+                scores_answer = self._feed_closing(closing_tokens, stream.index)
+            if scores_answer:
+                with clock("certificate"):
+                    self.memory.read_importance(add=True)
         with clock("store"):
             stream.append("", tokens=list(gen.tokens) + closing_tokens)
             if gen.stop == "cancelled":
