@@ -51,6 +51,9 @@ class _TurnCerts:
     answer: list[np.ndarray] = field(default_factory=list)
     """One (layers, heads) relative certificate per answer step."""
     answer_running_q: float | None = None
+    sampled_cells: int | None = None
+    """Cells with π < 1 when the question's certificate was read: 0 means the certificate is 0 because nothing
+    was sampled (everything kept was protected), not because nothing was lost."""
 
 
 def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
@@ -158,7 +161,8 @@ class CacheManager:
             return
         self._importance = []
         self.read_importance()
-        self._turn = _TurnCerts(question=self._read_relative()[-self.config.cert_window:])
+        self._turn = _TurnCerts(question=self._read_relative()[-self.config.cert_window:],
+                                sampled_cells=self._sampled_cells())
 
     def read_importance(self, add: bool = False) -> None:
         """Keep the attention the last feed's window rows paid each cell (the next eviction's scores);
@@ -262,7 +266,10 @@ class CacheManager:
         self._set_certificate(True)
         self.engine.truncate(self.engine.next_pos - w)
         self.engine.feed(tokens[-w:], segment=segment)
-        self._turn = _TurnCerts(question=self._read_relative()[-w:])
+        self._turn = _TurnCerts(question=self._read_relative()[-w:], sampled_cells=self._sampled_cells())
+
+    def _sampled_cells(self) -> int:
+        return int(np.count_nonzero(np.asarray(self.engine.cache.logpi, dtype=np.float64) < 0))
 
     def make_room(self, needed: int) -> bool:
         """Free cells for the next prefill + answer; False when the policy cannot (``full``)."""
@@ -313,6 +320,8 @@ class CacheManager:
         if self._turn.question is not None and self._turn.question.size:
             detail["per_layer"] = [float(x) for x in np.quantile(self._turn.question, 0.95, axis=(0, 2))]
         detail["answer_steps"] = len(self._turn.answer)
+        if self._turn.sampled_cells is not None:
+            detail["sampled_cells"] = self._turn.sampled_cells
         return detail
 
     def retained_by_message(self, roles: dict[int, str], lengths: dict[int, int]) -> list[tuple[int, str, float]]:

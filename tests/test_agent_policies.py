@@ -70,8 +70,10 @@ def test_policy_matrix(policy: str, evict_at: str, engine: Engine, tmp_path: Pat
     cert = r.certificate
     if sampled:
         assert cert is not None and cert > 0, "a sampled design must report a positive certificate"
+        assert r.certificate_detail["sampled_cells"] > 0
     elif policy in ("topk",):
         assert cert == 0.0, "deterministic designs carry no bias: their certificate is identically zero"
+        assert r.certificate_detail["sampled_cells"] == 0, "…and it says so: nothing was sampled"
 
 
 def test_forced_gate_reproduces_full_cache_answers(engine: Engine, tmp_path: Path, small_model: Path) -> None:
