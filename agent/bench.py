@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -214,15 +214,20 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
     }
 
 
-def render(out: dict[str, Any]) -> str:
+def _formatter(out: dict[str, Any]) -> Callable[..., str]:
+    """``f(key, fmt)``: ``out[key]`` formatted, or "—" when it was not measured."""
     def f(key: str, fmt: str = "{:.1f}") -> str:
         value = out.get(key)
         return fmt.format(value) if isinstance(value, (int, float)) else "—"
+    return f
 
+
+def render(out: dict[str, Any]) -> str:
+    f = _formatter(out)
     h = out["history_tokens"]
     head = [f"certchat bench — {out['model']}, {out['threads']} threads, {out['cpu_count']} CPUs visible"]
     if "decode_tok_s_full" not in out:
-        return "\n".join(head + [""] + _turn_lines(out, f))
+        return "\n".join(head + [""] + _turn_lines(out))
     lines = head + [
         f"history {h} tokens, budget {int(out['budget_share'] * 100)}% → {out['live_cells_after']} live cells",
         "",
@@ -237,22 +242,20 @@ def render(out: dict[str, Any]) -> str:
         f"design core, one round at 32k cells             : {f('design_ms_32k', '{:.2f}')} ms",
     ]
     if "turn_wall_ms" in out:
-        lines += _turn_lines(out, f)
+        lines += _turn_lines(out)
     return "\n".join(lines)
 
 
-def _turn_lines(out: dict[str, Any], f: Any) -> list[str]:
-    lines = _turn_mode_lines(out, f)
+def _turn_lines(out: dict[str, Any]) -> list[str]:
+    lines = _turn_mode_lines(out)
     for mode, other in out.get("turn_by_evict_at", {}).items():
         if mode != out.get("turn_evict_at"):
-            def g(key: str, fmt: str = "{:.1f}", _o: dict[str, Any] = other) -> str:
-                value = _o.get(key)
-                return fmt.format(value) if isinstance(value, (int, float)) else "—"
-            lines += _turn_mode_lines(other, g)
+            lines += _turn_mode_lines(other)
     return lines
 
 
-def _turn_mode_lines(out: dict[str, Any], f: Any) -> list[str]:
+def _turn_mode_lines(out: dict[str, Any]) -> list[str]:
+    f = _formatter(out)
     lines = [
         f"steady turn at {out['turn_history_tokens']} tokens, evict_at={out.get('turn_evict_at')} (median of 4): "
         f"wall {f('turn_wall_ms', '{:.0f}')} ms = "

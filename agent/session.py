@@ -203,8 +203,9 @@ class ChatSession:
             with clock("reprefill"):
                 reprefill_tokens = self._gate_reprefill(decision, "question", on_event)
             gate_fired = True
-            # the re-read ends with this message: its window's attention scores the turn-end eviction
-            self.memory.read_importance()
+            if at_turn_end:
+                # the re-read ends with this message: its window's attention scores the turn-end eviction
+                self.memory.read_importance()
 
         if forced_answer is not None:
             gen, answer_msg = self._forced(forced_answer, meta)
