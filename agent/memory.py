@@ -238,7 +238,9 @@ class CacheManager:
                 cells_before=n, cells_after=len(cache), expected_budget=float(target), seed=self.config.seed,
                 sum_pi=float(plan.expected_kept)))
         self.round += 1
-        self._importance = []  # cell indices moved; importance is read again at the next prefill
+        # The readings stay: they map cells to the positions they held, so after compaction they still score
+        # the survivors (a make_room eviction before the next prefill has nothing newer); the next prefill
+        # replaces them.
         return report
 
     def _protected(self, positions: np.ndarray, protect_from: int) -> np.ndarray:

@@ -130,3 +130,24 @@ def test_answer_certificates_only_when_asked(answer_certificate: bool, engine: E
     s.reconfigure(gate_stat="answer.step_max_q", answer_certificate=False)
     r = s.send("And my cat's name?")
     assert any(k.startswith("answer.") for k in r.certificate_detail)
+
+
+@pytest.mark.parametrize("policy", ["topk", "poisson"])
+def test_a_long_message_after_eviction_makes_room(policy: str, small_model: Path, tmp_path: Path) -> None:
+    """A message that needs more free cells than the budget leaves evicts again before its prefill, scored
+    by the last attention reading (it used to find none after an eviction and fail)."""
+    eng = Engine(EngineSettings(model_path=small_model, n_ctx=512, n_batch=256, threads=2))
+    try:
+        cfg = Config(model="smollm2-135m", n_ctx=512, policy=policy, budget="64", max_tokens=16, gate="off",
+                     page_size=4)
+        s = ChatSession(cfg, Store(tmp_path / "log.db"), eng, "smollm2-135m")
+        for i in range(4):
+            s.send(f"Tell me something short about the number {i}, please.")
+        assert s.store.eviction_rounds(s.conversation_id)
+        # a little more than the free cells once its answer's room is counted, well under what eviction frees
+        long = " ".join(["word"] * (eng.free_cells() - 16))
+        r = s.send(long)
+        assert r.answer and eng.free_cells() >= 0
+        assert len(s.store.eviction_rounds(s.conversation_id)) >= 2
+    finally:
+        eng.close()
