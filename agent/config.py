@@ -71,15 +71,16 @@ class Config:
     floor: float = 0.05
     """Score floor, as a share of the mean unprotected score, so every unprotected π stays > 0."""
     evict_at: str = DEFAULT_EVICT_AT
-    """When the cache is brought back to its budget: "question" (after the user's message is prefilled, so its
-    attention decides what stays; the question's last cert_window tokens are then re-read on the evicted cache to
-    certify it) or "turn-end" (after the answer, scored by the question's and the closing tokens' attention; the
+    """When the cache is brought back to its budget: "question" (after the user's message is prefilled but for
+    its last cert_window tokens, so its attention decides what stays; those tokens are then prefilled on the
+    evicted cache and certify it) or "turn-end" (after the answer, scored by the question's and the closing tokens' attention; the
     next message's prefill certifies the evicted cache itself, so no re-read: cheaper turns, eviction blind to the
     next question)."""
     question_window: int = 32
     """Last prompt tokens whose attention scores the cache for eviction (SnapKV's observation window)."""
     cert_window: int = 8
-    """Last prompt tokens over which the question-window certificate is computed."""
+    """Last prompt tokens over which the question-window certificate is computed (with evict_at "question",
+    prefilled after the eviction)."""
     gate_stat: str = "auto"
     """Turn statistic the gate compares with τ: "auto" (the one the calibration chose, agent/gate_calibration.json),
     question.max (maximum over the question window's rows × layers × heads of the relative certificate),

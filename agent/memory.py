@@ -5,11 +5,11 @@ applies it to the KV cache (remove, bias, compact through ``native.patched``), a
 the in-graph certificate terms to the gate statistic. The session asks it three things:
 evict now?, does the question breach the gate?, does this answer step breach it?
 
-With ``evict_at = "question"`` eviction is question-aware: it runs after the user's message
-is prefilled, so the attention of the message's last ``question_window`` tokens decides what
-matters, and the question-window certificate is then recomputed on the evicted cache by
-re-decoding the last ``cert_window`` tokens (same tokens, same positions), so the gate sees
-the error of the cache that will actually answer. With ``evict_at = "turn-end"`` the session
+With ``evict_at = "question"`` eviction is question-aware: the session prefills the user's
+message except its last ``cert_window`` tokens, the attention of those rows' last
+``question_window`` decides what matters, the cache is evicted, and the last ``cert_window``
+tokens are then prefilled on the evicted cache, so their certificate is the error of the cache
+that will actually answer — each token is read once (``split_question``). With ``evict_at = "turn-end"`` the session
 evicts after the answer (scored by the question's attention and the answer's closing tokens'
 attention, protecting only the sinks and the recent window) and the next message's prefill runs
 on the evicted cache, so its own window certifies it without a re-read.
@@ -137,12 +137,25 @@ class CacheManager:
         self._write_biases(np.ones(len(self.engine.cache), dtype=bool))
 
     # -- budget ----------------------------------------------------------------------------
-    def budget_cells(self) -> int | None:
+    def budget_cells(self, history: int | None = None) -> int | None:
+        """Cells the budget allows for a history of ``history`` positions (default: the current one)."""
         if not self.policy.evicts:
             return None
         kind, value = parse_budget(self.config.budget)
-        cells = int(value) if kind == "tokens" else int(round(value * max(self.engine.next_pos, 1)))
+        length = self.engine.next_pos if history is None else history
+        cells = int(value) if kind == "tokens" else int(round(value * max(length, 1)))
         return max(cells, self.config.sinks + self.config.recent)
+
+    def split_question(self, n_tokens: int) -> int:
+        """How many of a question's ``n_tokens`` to hold back until after its eviction: the certificate
+        window, when prefilling the rest will take the cache past its budget (else 0, one prefill). The
+        rest's last rows score the eviction; the held-back rows, prefilled on the evicted cache, certify it."""
+        hold = min(self.config.cert_window, n_tokens - 1)
+        if not self._cert_on or hold < 1:
+            return 0
+        head = n_tokens - hold
+        budget = self.budget_cells(self.engine.next_pos + head)
+        return hold if budget is not None and len(self.engine.cache) + head > budget else 0
 
     def threshold(self) -> float | None:
         gate = parse_gate(self.config.gate)
@@ -260,15 +273,22 @@ class CacheManager:
         bias = (-np.asarray(cache.logpi, dtype=np.float64)[mask]).astype(np.float32)
         patched.set_bias_pos(self.engine.ctx.memory, self.engine.SEQ, pos, bias)
 
+    def read_question_certificate(self, rows: int) -> None:
+        """The certificate of the last feed's last ``rows`` rows (the held-back question tokens, prefilled on
+        the evicted cache) is the question's."""
+        if self._cert_on and self._window and rows > 0:
+            self._turn = _TurnCerts(question=self._read_relative()[-rows:], sampled_cells=self._sampled_cells())
+
     def requestion(self, tokens: list[int], segment: int) -> None:
-        """Re-decode the question's last tokens on the evicted cache to certify that cache."""
+        """Re-decode the question's last tokens on the evicted cache to certify that cache (only when the
+        eviction was not foreseen, so nothing was held back: a one-token message)."""
         w = min(self.config.cert_window, len(tokens))
         if not self._cert_on or w == 0:
             return
         self._set_certificate(True)
         self.engine.truncate(self.engine.next_pos - w)
         self.engine.feed(tokens[-w:], segment=segment)
-        self._turn = _TurnCerts(question=self._read_relative()[-w:], sampled_cells=self._sampled_cells())
+        self.read_question_certificate(w)
 
     def _sampled_cells(self) -> int:
         return int(np.count_nonzero(np.asarray(self.engine.cache.logpi, dtype=np.float64) < 0))

@@ -5,10 +5,11 @@ One ``ChatSession`` drives one conversation at a time on one engine:
 1. the user's message is committed to the SQLite log before the model sees it;
 2. the template suffix it adds is tokenized and prefilled (its exact token ids and first
    position go to the log);
-3. the cache manager evicts down to the budget (``evict_at = "question"``: after the question
-   is in the cache, so its attention decides what matters, then the question window is re-read
-   on the evicted cache) and reads the question-window certificate (``"turn-end"``: the cache was
-   evicted at the end of the previous turn, so the prefill's own window certifies it);
+3. the cache manager evicts down to the budget (``evict_at = "question"``: after all but the
+   question's last ``cert_window`` tokens are in the cache, so its attention decides what matters;
+   those tokens are then prefilled on the evicted cache) and reads the question-window certificate
+   (``"turn-end"``: the cache was evicted at the end of the previous turn, so the prefill's own
+   window certifies it);
 4. if the gate statistic reaches τ, the whole history is re-prefilled from the log's
    exact token ids and the answer comes from the full context;
 5. the answer streams into the log (partial → complete / interrupted); per-step
@@ -170,28 +171,36 @@ class ChatSession:
                 f"your message is {len(tokens)} tokens but the context has room for {room} "
                 f"(n_ctx {self.engine.n_ctx} minus {self.config.max_tokens} for the answer): shorten it or "
                 "raise --n-ctx; it was saved to the log")
-        self._make_room(len(tokens) + self.config.max_tokens + 16, on_event)
+        self._make_room(len(tokens) + self.config.max_tokens + 16, user.id, on_event)
 
         first_pos = self.engine.next_pos
+        at_turn_end = self.config.evict_at == "turn-end"
+        # Evicting after the question: its last cert_window tokens wait until the cache is evicted, so
+        # they are read once, on the cache that will answer, and their certificate is that cache's.
+        held = 0 if at_turn_end else self.memory.split_question(len(tokens))
         self.memory.before_prefill()
         try:
-            prefill_ms = self.engine.feed(tokens, segment=user.index, cancel=cancel)
+            prefill_ms = self.engine.feed(tokens[:len(tokens) - held], segment=user.index, cancel=cancel)
+            with clock("certificate"):
+                self.memory.after_prefill()
+            with clock("store"):
+                self.store.set_message_tokens(user.id, tokens, first_pos)
+            self._segments.append(seg)
+            if not at_turn_end:
+                self._evict(first_pos, user.id, clock, on_event, requestion=None if held else (tokens, user.index))
+            if held:
+                prefill_ms += self.engine.feed(tokens[len(tokens) - held:], segment=user.index, cancel=cancel)
+                with clock("certificate"):
+                    self.memory.read_question_certificate(held)
         except BaseException:
             # Cancelled (or Ctrl-C) mid-prefill: part of the message may be in the cache. Take it out, and
             # keep the message in the log marked as never answered, so cache and log stay in step.
             self.engine.truncate(first_pos)
+            if self._segments and self._segments[-1] is seg:
+                self._segments.pop()
             self.store.update_message_meta(user.id, {"discarded": True, "cancelled": "prefill"})
             raise
-        with clock("certificate"):
-            self.memory.after_prefill()
-        with clock("store"):
-            self.store.set_message_tokens(user.id, tokens, first_pos)
-        self._segments.append(seg)
         on_event(ev.Prefilled(len(tokens), prefill_ms))
-
-        at_turn_end = self.config.evict_at == "turn-end"
-        if not at_turn_end:
-            self._evict(first_pos, user.id, clock, on_event, requestion=(tokens, user.index))
 
         reprefill_tokens = 0
         gate_fired = False
@@ -377,12 +386,14 @@ class ChatSession:
                                "recent messages that fit", "warning"))
         return tokens
 
-    def _reprefill_from_log(self) -> tuple[int, bool]:
-        """Clear the cache and prefill the logged messages' exact token ids (the newest that fit)."""
+    def _reprefill_from_log(self, reserve: int | None = None, pending: int | None = None) -> tuple[int, bool]:
+        """Clear the cache and prefill the logged messages' exact token ids (the newest that fit), leaving
+        ``reserve`` cells free (default: the answer's room); ``pending``: a message (id) to leave out, as it
+        is prefilled next."""
         history = self.store.history(self.conversation_id)
-        msgs = [m for m in history.messages if not m.meta.get("discarded")]
+        msgs = [m for m in history.messages if not m.meta.get("discarded") and m.id != pending]
         msgs = self._tokenized(msgs)
-        room = self.engine.n_ctx - self.config.max_tokens - 16
+        room = self.engine.n_ctx - (self.config.max_tokens + 16 if reserve is None else reserve)
         chosen = list(msgs)
         truncated = False
         total = sum(len(m.tokens) for m in chosen)  # type: ignore[arg-type]
@@ -442,14 +453,15 @@ class ChatSession:
                 pos += len(m.tokens)
         return out
 
-    def _make_room(self, needed: int, on_event: EventSink) -> None:
-        """Guarantee ``needed`` free cells: evict (any policy) or, for `full`, drop the oldest history."""
+    def _make_room(self, needed: int, pending: int, on_event: EventSink) -> None:
+        """Guarantee ``needed`` free cells for message ``pending`` (logged, not yet prefilled) and its answer:
+        evict (any policy) or, for `full`, re-read only the newest history that leaves them."""
         if self.engine.free_cells() >= needed:
             return
         freed = self.memory.make_room(needed)
         if not freed:
             on_event(ev.Notice("the context is full: keeping the system prompt and the most recent messages", "warning"))
-            self._reprefill_from_log()
+            self._reprefill_from_log(reserve=needed, pending=pending)
 
     # -- helpers --------------------------------------------------------------------------
     def _rendered(self) -> list[TemplateMessage]:

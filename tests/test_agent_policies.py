@@ -34,9 +34,10 @@ def test_policy_matrix(policy: str, evict_at: str, engine: Engine, tmp_path: Pat
                  gate="off", page_size=4, seed=7, evict_at=evict_at)
     store = Store(tmp_path / "log.db")
     s = ChatSession(cfg, store, engine, "smollm2-135m")
-    if evict_at == "turn-end":
-        def no_reread(*_: object) -> None:
-            raise AssertionError("turn-end eviction certifies the cache at the next prefill, without a re-read")
+    def no_reread(*_: object) -> None:
+        raise AssertionError("every token is read once: after the question, its held-back last tokens certify the "
+                             "evicted cache; at turn end, the next prefill does")
+    if policy not in ("full", "window"):  # the policies that certify
         monkeypatch.setattr(s.memory, "requestion", no_reread)
     for i, text in enumerate(FACTS + FILLERS):
         r = s.send(text, forced_answer="Noted." if i < len(FACTS) else None)
@@ -54,6 +55,12 @@ def test_policy_matrix(policy: str, evict_at: str, engine: Engine, tmp_path: Pat
                 # evicted after the answer: the turn ends at the budget
                 assert r.live_cells <= BUDGET + SLACK
         assert r.answer
+        # the message is in the cache once, in order, at contiguous positions, as logged
+        user = [m for m in store.messages(s.conversation_id) if m.role == "user"][-1]
+        span = (positions >= user.first_pos) & (positions < user.first_pos + len(user.tokens))
+        if policy == "full" or evict_at == "question":
+            assert np.array_equal(positions[span], np.arange(user.first_pos, user.first_pos + len(user.tokens)))
+            assert np.array_equal(np.asarray(engine.cache.tokens)[span], np.asarray(user.tokens))
     r = s.send("What is my locker code?")
     assert r.answer
     if policy != "full":
@@ -149,5 +156,36 @@ def test_a_long_message_after_eviction_makes_room(policy: str, small_model: Path
         r = s.send(long)
         assert r.answer and eng.free_cells() >= 0
         assert len(s.store.eviction_rounds(s.conversation_id)) >= 2
+    finally:
+        eng.close()
+
+
+def test_a_message_that_nearly_fills_the_context_keeps_the_newest_history(small_model: Path, tmp_path: Path) -> None:
+    """`full` cannot evict, so a long message re-reads only the newest history that leaves room for the message
+    and its answer, and the message is read once (the re-read used to include it and leave it no room:
+    KVCacheFull)."""
+    from agent import events as ev
+
+    eng = Engine(EngineSettings(model_path=small_model, n_ctx=512, n_batch=256, threads=2))
+    try:
+        cfg = Config(model="smollm2-135m", n_ctx=512, policy="full", max_tokens=16, gate="off")
+        s = ChatSession(cfg, Store(tmp_path / "log.db"), eng, "smollm2-135m")
+        for i in range(4):
+            s.send(f"Tell me something short about the number {i}, please.")
+        room = eng.n_ctx - cfg.max_tokens - 16
+        long = " ".join(["word"] * (room - 40))
+        seen: list[ev.Event] = []
+        r = s.send(long, on_event=seen.append)
+        assert r.answer
+        assert any(isinstance(e, ev.Notice) for e in seen)
+        user = [m for m in s.store.messages(s.conversation_id) if m.role == "user"][-1]
+        assert user.content == long and not user.meta.get("discarded")
+        positions = np.asarray(eng.cache.positions)
+        tokens = np.asarray(eng.cache.tokens)
+        span = (positions >= user.first_pos) & (positions < user.first_pos + len(user.tokens))
+        assert np.array_equal(tokens[span], np.asarray(user.tokens))
+        assert int(np.count_nonzero(tokens == user.tokens[len(user.tokens) // 2])) <= len(user.tokens), \
+            "the message is in the cache once"
+        assert s.send("And now a short one?").answer
     finally:
         eng.close()
