@@ -161,8 +161,9 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------------------
     def feed(self, tokens: list[int], segment: int, logits_last: bool = True,
-             cancel: threading.Event | None = None) -> float:
-        """Decode ``tokens`` at the next positions (teacher-forced); returns milliseconds."""
+             cancel: threading.Event | None = None, progress: Callable[[int], None] | None = None) -> float:
+        """Decode ``tokens`` at the next positions (teacher-forced); returns milliseconds. ``cancel`` is
+        checked before each batch (``InterruptedError``); ``progress(n)`` hears the tokens done after each."""
         if not tokens:
             return 0.0
         if len(tokens) > self.free_cells():
@@ -184,6 +185,8 @@ class Engine:
             self.ctx.decode(self.batch)
             self.cache.append(chunk, self.next_pos, segment)
             self.next_pos += len(chunk)
+            if progress is not None:
+                progress(end)
         return (time.perf_counter() - start) * 1000.0
 
     # -- decode ----------------------------------------------------------------------------

@@ -47,7 +47,8 @@ class CertificateRead:
 
 @dataclass(frozen=True)
 class GateFired:
-    """The gate re-read evicted history from the log ("re-read N tokens of history")."""
+    """The gate fired: the history is re-read from the log ("re-read N tokens of history"); sent before the
+    re-read starts, which ``Rereading`` events then follow."""
 
     phase: str
     value: float
@@ -55,6 +56,14 @@ class GateFired:
     reprefill_tokens: int
     truncated: bool = False
     """True when the history exceeded n_ctx and only the system prompt + the most recent part fit."""
+
+
+@dataclass(frozen=True)
+class Rereading:
+    """Progress of a re-read of the history from the log (a gate firing or a reopened conversation)."""
+
+    done: int
+    total: int
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,7 @@ class TurnResult:
     logprob_mean: float | None
     timings: dict[str, float] = field(default_factory=dict)
     """Milliseconds by phase besides prefill and decode: evict (design, seq_rm, biases, compaction, its log
-    record), certificate (re-reading the question on the evicted cache, statistics), store (log writes on the
+    record), certificate (reading the certificate and the attention from the graph, statistics), store (log writes on the
     turn's path), reprefill (a gated re-read of the history), closing (feeding the end-of-turn tokens)."""
 
     def as_json(self) -> dict[str, Any]:
@@ -132,5 +141,5 @@ class TurnFinished:
     memory: MemoryView
 
 
-Event = Union[TurnStarted, Prefilled, Evicted, CertificateRead, GateFired, Regenerating, TextDelta, Notice,
-              TurnFinished]
+Event = Union[TurnStarted, Prefilled, Evicted, CertificateRead, GateFired, Rereading, Regenerating, TextDelta,
+              Notice, TurnFinished]

@@ -125,8 +125,9 @@ class ChatSession:
             self._segments.append(_Segment(msg.index, "system", self.config.system_prompt))
         return conv.id
 
-    def open(self, conversation_id: int) -> None:
-        """Continue a logged conversation: its exact tokens are re-prefilled, then evicted to budget."""
+    def open(self, conversation_id: int, on_event: EventSink = _ignore) -> None:
+        """Continue a logged conversation: its exact tokens are re-prefilled (``Rereading`` events report the
+        progress), then evicted to budget."""
         self.store.get_conversation(conversation_id)
         self.conversation_id = conversation_id
         self.engine.reset()
@@ -135,7 +136,7 @@ class ChatSession:
         self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired)
                             for i, t in enumerate(self.store.turns(conversation_id))]
         self.memory.before_prefill()
-        self._reprefill_from_log()
+        self._read_history(self._history_to_read()[0], on_event=on_event)
         self.memory.after_prefill()
         self.memory.evict(protect_from=self.engine.next_pos, round_hint=0)
 
@@ -193,12 +194,7 @@ class ChatSession:
                 with clock("certificate"):
                     self.memory.read_question_certificate(held)
         except BaseException:
-            # Cancelled (or Ctrl-C) mid-prefill: part of the message may be in the cache. Take it out, and
-            # keep the message in the log marked as never answered, so cache and log stay in step.
-            self.engine.truncate(first_pos)
-            if self._segments and self._segments[-1] is seg:
-                self._segments.pop()
-            self.store.update_message_meta(user.id, {"discarded": True, "cancelled": "prefill"})
+            self._abandon(user.id, first_pos, seg, "prefill")
             raise
         on_event(ev.Prefilled(len(tokens), prefill_ms))
 
@@ -209,8 +205,12 @@ class ChatSession:
         if decision.value is not None:
             on_event(ev.CertificateRead("question", decision.value, decision.threshold))
         if decision.fire:
-            with clock("reprefill"):
-                reprefill_tokens = self._gate_reprefill(decision, "question", on_event)
+            try:
+                with clock("reprefill"):
+                    reprefill_tokens = self._gate_reprefill(decision, "question", on_event, cancel)
+            except InterruptedError:
+                self._abandon(user.id, first_pos, seg, "reprefill")
+                raise
             gate_fired = True
             if at_turn_end:
                 # the re-read ends with this message: its window's attention scores the turn-end eviction
@@ -219,8 +219,12 @@ class ChatSession:
         if forced_answer is not None:
             gen, answer_msg = self._forced(forced_answer, meta)
         else:
-            gen, stream, regen_tokens, fired_mid = self._answer(on_event, cancel, allow_gate=not gate_fired,
-                                                                meta=meta, clock=clock)
+            try:
+                gen, stream, regen_tokens, fired_mid = self._answer(on_event, cancel, allow_gate=not gate_fired,
+                                                                    meta=meta, clock=clock)
+            except InterruptedError:  # stopped during a mid-answer re-read
+                self._abandon(user.id, first_pos, seg, "reprefill")
+                raise
             reprefill_tokens += regen_tokens
             gate_fired = gate_fired or fired_mid
             answer_msg = self._close_answer(gen, stream, clock)
@@ -257,6 +261,14 @@ class ChatSession:
             self._segments, self._turn_certs = segments, certs
         on_event(ev.TurnFinished(result, self.memory_view()))
         return result
+
+    def _abandon(self, message_id: int, first_pos: int, seg: _Segment, phase: str) -> None:
+        """Cancelled (or Ctrl-C) before the answer: take the message out of the cache and keep it in the log
+        marked as never answered, so cache and log stay in step."""
+        self.engine.truncate(first_pos)
+        if self._segments and self._segments[-1] is seg:
+            self._segments.pop()
+        self.store.update_message_meta(message_id, {"discarded": True, "cancelled": phase})
 
     def _evict(self, protect_from: int, message_id: int, clock: _Clock, on_event: EventSink,
                requestion: tuple[list[int], int] | None = None) -> None:
@@ -335,8 +347,12 @@ class ChatSession:
             stream.cancel()
             self.store.set_message_status(stream.message_id, "interrupted")
             on_event(ev.Regenerating(len(gen.text)))
-            with clock("reprefill"):
-                reprefill += self._gate_reprefill(breach[0], "answer", on_event)
+            try:
+                with clock("reprefill"):
+                    reprefill += self._gate_reprefill(breach[0], "answer", on_event, cancel)
+            except InterruptedError:
+                self.store.update_message_meta(stream.message_id, {"discarded": True, "cancelled": "reprefill"})
+                raise
             fired = True
             allow_gate = False
             self.sampler.reset()
@@ -376,50 +392,69 @@ class ChatSession:
         return stream.message_id
 
     # -- gate and re-prefill -----------------------------------------------------------------
-    def _gate_reprefill(self, decision: GateDecision, phase: str, on_event: EventSink) -> int:
-        """Re-read the history from the log into a fresh cache; returns tokens re-prefilled."""
-        tokens, truncated = self._reprefill_from_log()
+    def _gate_reprefill(self, decision: GateDecision, phase: str, on_event: EventSink,
+                        cancel: threading.Event | None) -> int:
+        """Re-read the history from the log into a fresh cache; returns tokens re-prefilled. Cancelled
+        part-way (``InterruptedError``), the cache is put back as it was before the re-read."""
+        chosen, truncated = self._history_to_read()
+        total = sum(len(m.tokens) for m in chosen)
         assert decision.value is not None and decision.threshold is not None
-        on_event(ev.GateFired(phase, decision.value, decision.threshold, tokens, truncated))
+        on_event(ev.GateFired(phase, decision.value, decision.threshold, total, truncated))
         if truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))
-        return tokens
+        saved = (self.engine.snapshot(), self.memory.snapshot(), list(self._segments)) if cancel is not None else None
+        try:
+            self._read_history(chosen, cancel=cancel, on_event=on_event)
+        except InterruptedError:
+            assert saved is not None
+            self.engine.restore(saved[0])
+            self.memory.restore(saved[1])
+            self._segments = saved[2]
+            raise
+        return total
 
-    def _reprefill_from_log(self, reserve: int | None = None, pending: int | None = None) -> tuple[int, bool]:
-        """Clear the cache and prefill the logged messages' exact token ids (the newest that fit), leaving
-        ``reserve`` cells free (default: the answer's room); ``pending``: a message (id) to leave out, as it
-        is prefilled next."""
+    def _history_to_read(self, reserve: int | None = None, pending: int | None = None) -> tuple[list, bool]:
+        """The logged messages a re-read prefills (exact token ids): all of them, or when they do not fit with
+        ``reserve`` cells free (default: the answer's room), the system prompt and the newest that do (True:
+        truncated); ``pending``: a message (id) to leave out, as it is prefilled next."""
         history = self.store.history(self.conversation_id)
         msgs = [m for m in history.messages if not m.meta.get("discarded") and m.id != pending]
         msgs = self._tokenized(msgs)
         room = self.engine.n_ctx - (self.config.max_tokens + 16 if reserve is None else reserve)
-        chosen = list(msgs)
-        truncated = False
-        total = sum(len(m.tokens) for m in chosen)  # type: ignore[arg-type]
-        if total > room:
-            truncated = True
-            head = [m for m in msgs[:1] if m.role == "system"]
-            budget = room - sum(len(m.tokens) for m in head)  # type: ignore[arg-type]
-            tail: list = []
-            for m in reversed(msgs[len(head):]):
-                if len(m.tokens) > budget:  # type: ignore[arg-type]
-                    break
-                tail.insert(0, m)
-                budget -= len(m.tokens)  # type: ignore[arg-type]
-            # A truncated history must still start at a user turn for the template to hold.
-            while tail and tail[0].role == "assistant":
-                tail.pop(0)
-            chosen = head + tail
+        total = sum(len(m.tokens) for m in msgs)
+        if total <= room:
+            return list(msgs), False
+        head = [m for m in msgs[:1] if m.role == "system"]
+        budget = room - sum(len(m.tokens) for m in head)
+        tail: list = []
+        for m in reversed(msgs[len(head):]):
+            if len(m.tokens) > budget:
+                break
+            tail.insert(0, m)
+            budget -= len(m.tokens)
+        # A truncated history must still start at a user turn for the template to hold.
+        while tail and tail[0].role == "assistant":
+            tail.pop(0)
+        return head + tail, True
+
+    def _read_history(self, chosen: list, cancel: threading.Event | None = None,
+                      on_event: EventSink = _ignore) -> int:
+        """Clear the cache and prefill ``chosen``'s exact token ids; returns tokens fed. ``Rereading`` events
+        report the progress; ``cancel`` stops it between batches (``InterruptedError``, cache part-filled)."""
         self.engine.reset()
         self.memory.reset_cache_state()
+        total = sum(len(m.tokens) for m in chosen)
         fed = 0
+        on_event(ev.Rereading(0, total))
         for m in chosen:
-            toks = [int(t) for t in m.tokens]  # type: ignore[union-attr]
-            self.engine.feed(toks, segment=m.index, logits_last=m is chosen[-1])
+            toks = [int(t) for t in m.tokens]
+            done = fed
+            self.engine.feed(toks, segment=m.index, logits_last=m is chosen[-1], cancel=cancel,
+                             progress=lambda n, done=done: on_event(ev.Rereading(done + n, total)))
             fed += len(toks)
         self._segments = [_Segment(m.index, m.role, m.content) for m in chosen]
-        return fed, truncated
+        return fed
 
     def _tokenized(self, msgs: list) -> list:
         """The messages with their token ids; messages logged without them (imported, or
@@ -461,7 +496,7 @@ class ChatSession:
         freed = self.memory.make_room(needed)
         if not freed:
             on_event(ev.Notice("the context is full: keeping the system prompt and the most recent messages", "warning"))
-            self._reprefill_from_log(reserve=needed, pending=pending)
+            self._read_history(self._history_to_read(reserve=needed, pending=pending)[0])
 
     # -- helpers --------------------------------------------------------------------------
     def _rendered(self) -> list[TemplateMessage]:

@@ -179,3 +179,41 @@ def test_imported_messages_without_tokens_are_tokenized_on_reopen(engine: Engine
     assert list(tokens) == engine.cache.tokens
     rendered = engine.model.detokenize(list(tokens))
     assert "My cat is called Miso." in rendered and "A lovely name for a cat." in rendered
+
+
+def test_a_gated_reread_reports_progress_and_can_be_stopped(engine: Engine, tmp_path: Path) -> None:
+    """The gate announces its re-read, reports progress, and Esc (cancel) during it puts back the cache the
+    re-read replaced (the turn's evicted cache, less the message) and keeps the message in the log as never
+    answered."""
+    config = Config(model="smollm2-135m", n_ctx=1024, policy="poisson", budget="48", max_tokens=8, gate="0",
+                    page_size=4)
+    s = ChatSession(config, Store(tmp_path / "log.db"), engine, "smollm2-135m")
+    for text in ("My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø."):
+        s.send(text, forced_answer="Noted.")
+    seen: list[ev.Event] = []
+    r = s.send("What is my locker code?", on_event=seen.append)
+    assert r.gate_fired
+    kinds = [type(e) for e in seen]
+    reads = [e for e in seen if isinstance(e, ev.Rereading)]
+    assert kinds.index(ev.GateFired) < kinds.index(ev.Rereading), "announced before the re-read"
+    assert reads[0].done == 0 and reads[-1].done == reads[-1].total == r.reprefill_tokens
+    assert [e.done for e in reads] == sorted(e.done for e in reads)
+
+    cancel = threading.Event()
+
+    def stop_at_the_gate(event: ev.Event) -> None:
+        if isinstance(event, ev.GateFired):
+            cancel.set()
+
+    with pytest.raises(InterruptedError):
+        s.send("And where was I born?", on_event=stop_at_the_gate, cancel=cancel)
+    logged = s.store.messages(s.conversation_id)[-1]
+    assert logged.role == "user" and logged.meta.get("discarded") and logged.meta.get("cancelled") == "reprefill"
+    # the cache is the turn's evicted cache without the message: every cell is a logged token at its position
+    assert engine.live_cells < r.live_cells and engine.next_pos == logged.first_pos
+    tokens, positions = s.store.history(s.conversation_id).flatten(skip_untokenized=True)
+    logged_at = dict(zip(positions, tokens))
+    assert all(logged_at[p] == t for p, t in zip(engine.cache.positions, engine.cache.tokens))
+    assert np.all(np.diff(engine.cache.positions) > 0)
+    s.reconfigure(gate="off")
+    assert s.send("And where was I born?").answer

@@ -29,6 +29,7 @@ from tui.screens.setup import SetupScreen
 from tui.testing import screen_text, type_nowait, wait_for
 from tui.widgets.chat_log import PAGE, MessageView
 from tui.widgets.memory_panel import MemoryPanel
+from tui.widgets.status import StatusLine
 
 MakeApp = Callable[..., CertchatApp]
 
@@ -251,10 +252,19 @@ def test_memory_panel_updates_after_an_eviction(make_app: MakeApp) -> None:
 
 
 @NEEDS_EVICTION
-def test_forced_gate_shows_in_chat_and_panel(make_app: MakeApp) -> None:
+def test_forced_gate_shows_in_chat_and_panel(make_app: MakeApp, monkeypatch: pytest.MonkeyPatch) -> None:
     # window has no certificate (it keeps everything it keeps with π = 1); poisson has one, and τ = 0
     # makes any certificate breach the gate.
     app = make_app(policy="poisson", budget="48", gate="0")
+    phases: list[str] = []
+    real_set = StatusLine.set
+
+    def spy_set(self: StatusLine, **changes: object) -> None:
+        if isinstance(changes.get("phase"), str):
+            phases.append(str(changes["phase"]))
+        real_set(self, **changes)
+
+    monkeypatch.setattr(StatusLine, "set", spy_set)
 
     async def scenario(pilot: Any) -> None:
         await ready(pilot, app)
@@ -268,6 +278,11 @@ def test_forced_gate_shows_in_chat_and_panel(make_app: MakeApp) -> None:
         assert render.GATE_MARK in text
         assert app.store is not None
         assert any(t.gate_fired for t in app.store.turns(app.conversation_id))
+        # the status line followed the re-read to its end
+        reads = [p for p in phases if p.startswith("re-reading the history")]
+        assert reads and reads[0].startswith("re-reading the history: 0 of ")
+        done, total = reads[-1].split(": ")[1].split(" tokens")[0].split(" of ")
+        assert done == total
 
     drive(app, scenario)
 

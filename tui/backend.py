@@ -145,7 +145,7 @@ class Backend:
             s = self._session()
             if conversation_id != s.conversation_id:
                 self._drop_if_empty(s.conversation_id)
-            s.open(conversation_id)
+            s.open(conversation_id, on_event=emit)
             emit(self._shown())
 
     def delete(self, conversation_id: int, emit: Emit) -> None:

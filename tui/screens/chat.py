@@ -107,6 +107,8 @@ class ChatScreen(Screen[None]):
             self.status.set(phase="reading your message…")
         elif isinstance(item, ev.Prefilled):
             self.status.set(phase=f"read {item.tokens} tokens in {item.ms:.0f} ms")
+        elif isinstance(item, ev.Rereading):
+            self.status.set(phase=f"re-reading the history: {item.done:,} of {item.total:,} tokens")
         elif isinstance(item, ev.Evicted):
             self.memory.note_eviction(item)
             self.status.set(phase=f"evicted to {item.cells_after} cells")
