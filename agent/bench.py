@@ -50,6 +50,12 @@ def _history_tokens(model: llama.Model, n: int) -> list[int]:
     return tokens[:n]
 
 
+def _decode_rates(engine: Engine, steps: int, repeats: int = 3) -> list[float]:
+    """``repeats`` measurements of ``_decode_rate`` (one run of 32 steps varies by ±5% on a quiet 2-core
+    machine, so a ratio of single runs can move by a tenth)."""
+    return [_decode_rate(engine, steps) for _ in range(repeats)]
+
+
 def _decode_rate(engine: Engine, steps: int) -> float:
     """Greedy decode ``steps`` tokens; tokens/s. The cache is put back afterwards."""
     start_pos = engine.next_pos
@@ -98,7 +104,8 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     importance = patched.get_importance(eng.ctx.handle).per_position(eng.cache.positions)
     patched.set_attn_certificate(eng.ctx.handle, False, 1)
     say("decode with the full cache")
-    out["decode_tok_s_full"] = _decode_rate(eng, steps)
+    out["decode_tok_s_full_runs"] = _decode_rates(eng, steps)
+    out["decode_tok_s_full"] = float(np.median(out["decode_tok_s_full_runs"]))
     positions = np.asarray(eng.cache.positions)
     protected = np.zeros(len(positions), dtype=bool)
     protected[:4] = True
@@ -123,14 +130,16 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     out["live_cells_after"] = len(eng.cache)
     out["extent_after"] = extent
     say(f"decode after evicting to {len(eng.cache)} cells and compacting")
-    out["decode_tok_s_poisson"] = _decode_rate(eng, steps)
+    out["decode_tok_s_poisson_runs"] = _decode_rates(eng, steps)
+    out["decode_tok_s_poisson"] = float(np.median(out["decode_tok_s_poisson_runs"]))
     eng.close()
 
     # 2. a fresh context with only the budget's tokens: the ceiling for an evicted cache.
     fresh = Engine(EngineSettings(model_path=path, n_ctx=budget + 512, n_batch=512, threads=threads))
     fresh.feed(_history_tokens(fresh.model, budget), segment=0)
     say(f"decode with a fresh {budget}-token context")
-    out["decode_tok_s_fresh_budget"] = _decode_rate(fresh, steps)
+    out["decode_tok_s_fresh_budget_runs"] = _decode_rates(fresh, steps)
+    out["decode_tok_s_fresh_budget"] = float(np.median(out["decode_tok_s_fresh_budget_runs"]))
 
     # 3. certificate cost at the same live cells.
     rates = {}
@@ -225,16 +234,20 @@ def _formatter(out: dict[str, Any]) -> Callable[..., str]:
 def render(out: dict[str, Any]) -> str:
     f = _formatter(out)
     h = out["history_tokens"]
+
+    def runs(name: str) -> str:
+        rates = out.get(f"decode_tok_s_{name}_runs") or []
+        return f"  (median of {' / '.join(f'{r:.1f}' for r in rates)})" if len(rates) > 1 else ""
     head = [f"certchat bench — {out['model']}, {out['threads']} threads, {out['cpu_count']} CPUs visible"]
     if "decode_tok_s_full" not in out:
         return "\n".join(head + [""] + _turn_lines(out))
     lines = head + [
         f"history {h} tokens, budget {int(out['budget_share'] * 100)}% → {out['live_cells_after']} live cells",
         "",
-        f"decode tok/s, full cache ({h} cells)            : {f('decode_tok_s_full')}",
-        f"decode tok/s, poisson after compaction          : {f('decode_tok_s_poisson')}"
+        f"decode tok/s, full cache ({h} cells)            : {f('decode_tok_s_full')}{runs('full')}",
+        f"decode tok/s, poisson after compaction          : {f('decode_tok_s_poisson')}{runs('poisson')}"
         f"   (×{out['decode_tok_s_poisson'] / out['decode_tok_s_full']:.2f} vs full)",
-        f"decode tok/s, fresh context at the budget       : {f('decode_tok_s_fresh_budget')}",
+        f"decode tok/s, fresh context at the budget       : {f('decode_tok_s_fresh_budget')}{runs('fresh_budget')}",
         f"compaction ms / seq_rm ms / design ms           : {f('compact_ms')} / {f('seq_rm_ms')} / "
         f"{f('design_ms_history', '{:.2f}')}",
         f"certificate off / on tok/s (overhead)           : {f('decode_tok_s_cert_off')} / "

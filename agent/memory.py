@@ -103,7 +103,7 @@ class CacheManager:
     def _rows(self) -> int:
         """The graph's certificate window, fixed for the context: every n_window change rebuilds the
         scheduler's graph reservation. A ubatch reports its last min(rows, n_tokens) rows, so the same
-        setting serves the question window of a prefill, the re-read question and one-token decodes."""
+        setting serves the question window of a prefill, the held-back question tokens and one-token decodes."""
         return max(1, self.config.question_window, self.config.cert_window)
 
     def _set_certificate(self, on: bool) -> None:
