@@ -54,8 +54,9 @@ def _print_event(event: ev.Event) -> None:
         sys.stdout.write(event.text)
         sys.stdout.flush()
     elif isinstance(event, ev.GateFired):
-        print(f"\n[gate: certificate {event.value:.3f} ≥ τ {event.threshold:.3f} — re-read "
-              f"{event.reprefill_tokens} tokens of history]", file=sys.stderr)
+        why = ("the budget left no room to sample" if event.uncertified
+               else f"certificate {event.value:.3f} ≥ τ {event.threshold:.3f}")
+        print(f"\n[gate: {why} — re-read {event.reprefill_tokens} tokens of history]", file=sys.stderr)
     elif isinstance(event, ev.Regenerating):
         print("\n[answer discarded after a mid-answer gate breach; answering again from the full history]",
               file=sys.stderr)

@@ -56,6 +56,9 @@ class GateFired:
     reprefill_tokens: int
     truncated: bool = False
     """True when the history exceeded n_ctx and only the system prompt + the most recent part fit."""
+    uncertified: bool = False
+    """Fired because the eviction had no room to sample (the sinks and the message filled the budget), so no
+    certificate vouches for what it dropped; ``value`` is then not what fired it."""
 
 
 @dataclass(frozen=True)

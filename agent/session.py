@@ -204,7 +204,10 @@ class ChatSession:
             decision = self.memory.question_gate()
         if decision.value is not None:
             on_event(ev.CertificateRead("question", decision.value, decision.threshold))
+        fired_detail: dict = {}
         if decision.fire:
+            # the re-read clears the cache's certificates: the turn record keeps the question's that fired
+            fired_detail = self.memory.turn_detail()
             try:
                 with clock("reprefill"):
                     reprefill_tokens = self._gate_reprefill(decision, "question", on_event, cancel)
@@ -242,7 +245,7 @@ class ChatSession:
             conversation_id=self.conversation_id, user_message_id=user.id, assistant_message_id=answer_msg,
             answer=gen.text, stop=gen.stop, policy=self.config.policy, budget_cells=self.memory.budget_cells(),
             live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, certificate=stat,
-            certificate_detail=self.memory.turn_detail(), gate_threshold=self.memory.threshold(),
+            certificate_detail={**fired_detail, **self.memory.turn_detail()}, gate_threshold=self.memory.threshold(),
             gate_fired=gate_fired, reprefill_tokens=reprefill_tokens, prefill_ms=prefill_ms,
             decode_ms=gen.decode_ms, decode_tok_s=gen.tok_per_s, answer_tokens=len(gen.tokens),
             logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None,
@@ -399,7 +402,7 @@ class ChatSession:
         chosen, truncated = self._history_to_read()
         total = sum(len(m.tokens) for m in chosen)
         assert decision.value is not None and decision.threshold is not None
-        on_event(ev.GateFired(phase, decision.value, decision.threshold, total, truncated))
+        on_event(ev.GateFired(phase, decision.value, decision.threshold, total, truncated, decision.uncertified))
         if truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))

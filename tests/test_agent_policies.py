@@ -154,7 +154,9 @@ def test_a_long_message_after_eviction_makes_room(policy: str, small_model: Path
         # a little more than the free cells once its answer's room is counted, well under what eviction frees
         long = " ".join(["word"] * (eng.free_cells() - 16))
         r = s.send(long)
-        assert r.answer and eng.free_cells() >= 0
+        # the turn ran to its end (what a 135M model answers to "word word …" may be nothing)
+        assert r.stop in ("eog", "max_tokens") and eng.free_cells() >= 0
+        assert s.store.get_message(r.assistant_message_id).status == "complete"
         assert len(s.store.eviction_rounds(s.conversation_id)) >= 2
     finally:
         eng.close()
@@ -189,3 +191,41 @@ def test_a_message_that_nearly_fills_the_context_keeps_the_newest_history(small_
         assert s.send("And now a short one?").answer
     finally:
         eng.close()
+
+
+def test_a_small_budget_still_samples_after_the_question(engine: Engine, tmp_path: Path) -> None:
+    """The recent window gives way to the message, so a budget barely above sinks + recent + message still
+    leaves cells to sample and the certificate measures something (it used to be 0: nothing was sampled)."""
+    cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="48", max_tokens=8, gate="off",
+                 page_size=4, seed=5)
+    s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
+    results = [s.send(text, forced_answer="Noted.") for text in FACTS + FILLERS]
+    evicted = [r for r in results if s.store.eviction_rounds(s.conversation_id)]
+    assert evicted
+    late = results[-4:]
+    assert all(r.certificate_detail.get("sampled_cells", 0) > 0 for r in late)
+    assert all(r.certificate is not None and r.certificate > 0 for r in late)
+    assert not any(r.certificate_detail.get("uncertified") for r in results)
+
+
+def test_a_message_that_fills_the_budget_is_uncertified_and_gated(engine: Engine, tmp_path: Path) -> None:
+    """When the sinks and the message alone fill the budget, the eviction cannot sample: no certificate can
+    vouch for what it dropped, so the gate fires whatever the value (and says why)."""
+    from agent import events as ev
+
+    # the budget's floor is sinks + recent (36 cells); the message is longer than that
+    cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="24", max_tokens=8, gate="1000",
+                 page_size=4)
+    s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
+    for text in FACTS:
+        s.send(text, forced_answer="Noted.")
+    seen: list[ev.Event] = []
+    long = "Please list, one per line, every single fact I have told you so far in this chat, " * 3
+    r = s.send(long, on_event=seen.append)
+    assert r.certificate_detail.get("uncertified") == 1
+    assert r.gate_fired and r.reprefill_tokens > 0  # τ = 1000: only the missing certificate fires it
+    fired = [e for e in seen if isinstance(e, ev.GateFired)]
+    assert fired and fired[0].uncertified
+    s.reconfigure(gate="off")
+    r = s.send(long + "again.")
+    assert r.certificate_detail.get("uncertified") == 1 and not r.gate_fired

@@ -100,6 +100,27 @@ def test_calibration_caps_the_filler_rate() -> None:
         studies.calibrate(_doc(), "question.q", policy="topk")
 
 
+def test_uncertified_turns_count_as_gated() -> None:
+    """A turn whose eviction could not sample has no certificate; the agent's gate fires on it whatever its
+    value, so the studies rank it first and fire it at any τ (and it sets no τ)."""
+    doc = _doc()
+    poisson = next(r for r in doc["runs"] if r["policy"] == "poisson")
+    for step in poisson["steps"]:
+        if step["lineno"] in (2, 3, 9):  # two induced probes and one filler, all with a certificate of 0
+            step["certificate"] = 0.0
+            step["certificate_detail"] = {"question.q": 0.0, "answer.max": 0.0, "uncertified": 1}
+    assert studies.statistics_of(poisson["steps"][2])["question.q"] == math.inf
+    assert studies.statistics_of(poisson["steps"][2])["answer.max"] == 0.0
+    by_probes = studies.calibrate(doc, "question.q", probe_target=1.0)
+    # τ comes from the certified broken probes (0.9); the uncertified ones fire anyway
+    assert by_probes["tau"] == 0.9 and by_probes["in_sample"]["recall"] == 0.75
+    assert by_probes["in_sample"]["filler_gate_rate"] == pytest.approx(0.2)  # the loud filler + the uncertified
+    (row,) = studies.gating(doc, rates=(3 / 18,))
+    q = row["statistics"]["question.q"]
+    # three slots over all turns go to the three uncertified turns, two of them broken probes
+    assert q["over_turns"][0]["recall"] == pytest.approx(0.25 + 2 / 8)
+
+
 def test_studies_need_a_full_reference() -> None:
     doc = _doc()
     doc["runs"] = [r for r in doc["runs"] if r["policy"] != "full"]

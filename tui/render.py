@@ -33,8 +33,9 @@ def gate_text(threshold: float | None, gate_setting: str) -> str:
 def gate_note(event: ev.GateFired) -> str:
     """The line a gate event leaves in the chat."""
     where = "before answering" if event.phase == "question" else "mid-answer"
-    note = (f"{GATE_MARK} re-read {event.reprefill_tokens} tokens of history {where} "
-            f"(certificate {fmt_value(event.value)} ≥ τ {fmt_value(event.threshold)})")
+    why = ("the budget left no room to sample, so no certificate" if event.uncertified
+           else f"certificate {fmt_value(event.value)} ≥ τ {fmt_value(event.threshold)}")
+    note = f"{GATE_MARK} re-read {event.reprefill_tokens} tokens of history {where} ({why})"
     if event.truncated:
         note += " — only the most recent part fits the context"
     return note

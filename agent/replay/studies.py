@@ -41,8 +41,8 @@ FILLER_TARGET = 0.1
 # -- statistics --------------------------------------------------------------------------
 def auc(positive: Iterable[float], negative: Iterable[float]) -> float | None:
     """ROC AUC = P(score of a positive > score of a negative), ties counting one half."""
-    pos = np.asarray([p for p in positive if p is not None and math.isfinite(p)], dtype=np.float64)
-    neg = np.asarray([n for n in negative if n is not None and math.isfinite(n)], dtype=np.float64)
+    pos = np.asarray([p for p in positive if p is not None and not math.isnan(p)], dtype=np.float64)
+    neg = np.asarray([n for n in negative if n is not None and not math.isnan(n)], dtype=np.float64)
     if len(pos) == 0 or len(neg) == 0:
         return None
     scores = np.concatenate([pos, neg])
@@ -68,8 +68,8 @@ def _rank(x: np.ndarray) -> np.ndarray:
 def auc_ci(positive: list[float], negative: list[float], n_boot: int = 1000,
            seed: int = 0) -> tuple[float | None, float | None]:
     """Percentile bootstrap 95% interval of the AUC (resampling each class)."""
-    pos = [p for p in positive if p is not None and math.isfinite(p)]
-    neg = [n for n in negative if n is not None and math.isfinite(n)]
+    pos = [p for p in positive if p is not None and not math.isnan(p)]
+    neg = [n for n in negative if n is not None and not math.isnan(n)]
     if len(pos) < 2 or len(neg) < 2:
         return None, None
     rng = np.random.default_rng(seed)
@@ -91,12 +91,18 @@ def spearman(x: Iterable[float], y: Iterable[float]) -> float | None:
 def statistics_of(step: dict[str, Any]) -> dict[str, float]:
     """Every candidate gate statistic of a step: the turn certificate and the question./answer. details."""
     out: dict[str, float] = {}
+    detail = step.get("certificate_detail") or {}
+    # an eviction with no room to sample has no certificate: the agent's gate fires on it whatever the
+    # value, so every question statistic counts as unbounded (+inf: fired at any τ, gated first at any rate)
+    uncertified = bool(detail.get("uncertified"))
     if step.get("certificate") is not None:
-        out["turn"] = float(step["certificate"])
-    for key, value in (step.get("certificate_detail") or {}).items():
+        out["turn"] = math.inf if uncertified else float(step["certificate"])
+    for key, value in detail.items():
         if not key.startswith(("question.", "answer.")):
             continue  # counts and per-layer lists are not gate statistics
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if uncertified and key.startswith("question."):
+            out[key] = math.inf
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             out[key] = float(value)
     return out
 
@@ -165,22 +171,23 @@ def _gate_curve(probes: list[dict[str, Any]], scores: list[float | None], pool: 
     Items tied at the threshold are gated with the probability that fills the rate exactly
     (the expectation of breaking ties at random), so every gate is compared at the same rate.
     """
-    values = np.asarray([-math.inf if p is None or not math.isfinite(p) else p for p in pool], dtype=np.float64)
+    # None/NaN (not computed) rank last; +inf (uncertified: always gated) ranks first
+    values = np.asarray([-math.inf if p is None or math.isnan(p) else p for p in pool], dtype=np.float64)
     out = []
     for rate in rates:
         k = int(round(rate * len(pool)))
-        if len(pool) == 0 or k == 0 or not np.isfinite(values).any():
+        if len(pool) == 0 or k == 0 or not (values > -math.inf).any():
             out.append({"rate": rate, "threshold": None, "recall": None, "realized_rate": None})
             continue
         tau = float(np.sort(values)[::-1][k - 1])
-        if not math.isfinite(tau):
-            tau = float(values[np.isfinite(values)].min())
+        if tau == -math.inf:
+            tau = float(values[values > -math.inf].min())
         above = int((values > tau).sum())
         tied = int((values == tau).sum())
         share = min(1.0, (k - above) / tied) if tied else 0.0
 
         def weight(sc: float | None) -> float:
-            if sc is None or not math.isfinite(sc):
+            if sc is None or math.isnan(sc) or sc == -math.inf:
                 return 0.0
             return 1.0 if sc > tau else share if sc == tau else 0.0
 
