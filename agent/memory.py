@@ -228,6 +228,7 @@ class CacheManager:
         positions = np.asarray(cache.positions, dtype=np.int64)
         segments = np.asarray(cache.segments, dtype=np.int64)
         protected = self._protected(positions, protect_from, target)
+        # (a turn-end eviction protects no message, and the budget's floor is above the sinks: it always samples)
         if pol.sampled and protect_from < self.engine.next_pos and np.count_nonzero(protected) >= target:
             self._unsampled = True
         importance = self._scores(positions)
@@ -267,20 +268,18 @@ class CacheManager:
         return report
 
     def _protected(self, positions: np.ndarray, protect_from: int, target: float) -> np.ndarray:
-        """Sinks, the recent window before the current message, and the current message.
+        """Sinks, the recent window before the current message, and the current message (if any).
 
-        With a message protected (evicting after the question), the recent window gives way to it: the two
-        together leave at least half of the budget beyond the sinks and the message to the top slice and
-        the sampled tail. Otherwise a short history's budget (10% of 400 tokens: 40 cells) is all sinks,
-        recent window and message, nothing is sampled, and the certificate is 0 by construction — as it
-        was on ~40% of recall30's turns before the fourth session."""
+        The recent window gives way: it takes at most half of the budget beyond the sinks and the message,
+        leaving the rest to the top slice and the sampled tail. Otherwise a short history's budget (10% of
+        400 tokens: 40 cells) is all protected cells, nothing is sampled, and the certificate is 0 by
+        construction — as it was on turns 6–13 of every recall30 script before the fourth session, under
+        both eviction timings."""
         protected = positions >= protect_from
         protected[: self.config.sinks] = True
         before = np.flatnonzero(positions < protect_from)
-        recent = self.config.recent
-        if protect_from < self.engine.next_pos:
-            spare = int(target) - int(np.count_nonzero(protected))
-            recent = min(recent, max(0, spare // 2))
+        spare = int(target) - int(np.count_nonzero(protected))
+        recent = min(self.config.recent, max(0, spare // 2))
         if recent and len(before):
             protected[before[-recent:]] = True
         return protected
