@@ -65,8 +65,8 @@ class Config:
     recent: int = 32
     """Most recent tokens that are never evicted (the current message is always kept too). The window gives way
     when the budget is small: it takes at most half of the budget beyond the sinks and the message, leaving the rest
-    to sampling, so the certificate has something to measure; when the sinks and the message alone fill the budget,
-    the turn is uncertified and the gate fires."""
+    to sampling, so the certificate has something to measure; when fewer than two pages of the evicted history survive as
+    samples (e.g. the sinks and the message alone fill the budget), the turn is uncertified and the gate fires."""
     page_size: int = 8
     """Sampling unit: pages of this many contiguous tokens (never straddling a message); 1 = single tokens."""
     top_share: float = 0.5

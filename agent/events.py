@@ -57,8 +57,8 @@ class GateFired:
     truncated: bool = False
     """True when the history exceeded n_ctx and only the system prompt + the most recent part fit."""
     uncertified: bool = False
-    """Fired because the eviction had no room to sample (the sinks and the message filled the budget), so no
-    certificate vouches for what it dropped; ``value`` is then not what fired it."""
+    """Fired because too little of the evicted history was sampled (fewer than two pages) to estimate the error,
+    so no certificate vouches for what was dropped; ``value`` is then not what fired it."""
 
 
 @dataclass(frozen=True)

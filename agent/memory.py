@@ -33,7 +33,7 @@ class GateDecision:
     threshold: float | None
     fire: bool
     uncertified: bool = False
-    """Fired because the eviction could not sample, whatever the value."""
+    """Fired because too little of the evicted history was sampled to estimate the error, whatever the value."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ class _TurnCerts:
     """Cells with π < 1 when the question's certificate was read: 0 means the certificate is 0 because nothing
     was sampled (everything kept was protected), not because nothing was lost."""
     uncertified: bool = False
-    """The question's eviction could not sample (the sinks and the message alone filled the budget), so the
-    certificate cannot speak for what it dropped: the gate fires whatever the value."""
+    """History was evicted but fewer than two units (pages) of it survive as samples, so there is no variance
+    to estimate and the certificate cannot speak for what was dropped: the gate fires whatever the value."""
 
 
 def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
@@ -83,8 +83,6 @@ class CacheManager:
         """Attention readings since the last eviction (the question's window; at turn end also the closing's)."""
         self._cert_on = False
         self._window = 0
-        self._unsampled = False
-        """This turn's question eviction dropped cells with no room left to sample (see ``_protected``)."""
         self.reconfigure(config)
 
     # -- configuration ------------------------------------------------------------------
@@ -174,7 +172,6 @@ class CacheManager:
     def before_prefill(self) -> None:
         """The next feed's last rows are the question: score the cache with them."""
         self._set_certificate(True)
-        self._unsampled = False
 
     def after_prefill(self) -> None:
         """Keep the question's attention (importance) and certificate of the pre-eviction cache."""
@@ -182,8 +179,7 @@ class CacheManager:
             return
         self._importance = []
         self.read_importance()
-        self._turn = _TurnCerts(question=self._read_relative()[-self.config.cert_window:],
-                                sampled_cells=self._sampled_cells())
+        self._turn = self._question_certs(self.config.cert_window)
 
     def read_importance(self, add: bool = False) -> None:
         """Keep the attention the last feed's window rows paid each cell (the next eviction's scores);
@@ -228,9 +224,6 @@ class CacheManager:
         positions = np.asarray(cache.positions, dtype=np.int64)
         segments = np.asarray(cache.segments, dtype=np.int64)
         protected = self._protected(positions, protect_from, target)
-        # (a turn-end eviction protects no message, and the budget's floor is above the sinks: it always samples)
-        if pol.sampled and protect_from < self.engine.next_pos and np.count_nonzero(protected) >= target:
-            self._unsampled = True
         importance = self._scores(positions)
         scores = pol.score(policies.CacheView(positions, segments, importance))
         unprotected = scores[~protected]
@@ -296,8 +289,7 @@ class CacheManager:
         """The certificate of the last feed's last ``rows`` rows (the held-back question tokens, prefilled on
         the evicted cache) is the question's."""
         if self._cert_on and self._window and rows > 0:
-            self._turn = _TurnCerts(question=self._read_relative()[-rows:], sampled_cells=self._sampled_cells(),
-                                    uncertified=self._unsampled)
+            self._turn = self._question_certs(rows)
 
     def requestion(self, tokens: list[int], segment: int) -> None:
         """Re-decode the question's last tokens on the evicted cache to certify that cache (only when the
@@ -310,8 +302,19 @@ class CacheManager:
         self.engine.feed(tokens[-w:], segment=segment)
         self.read_question_certificate(w)
 
-    def _sampled_cells(self) -> int:
-        return int(np.count_nonzero(np.asarray(self.engine.cache.logpi, dtype=np.float64) < 0))
+    def _question_certs(self, rows: int) -> _TurnCerts:
+        """The last feed's last ``rows`` rows as the question's certificate, with the sample it rests on."""
+        cache = self.engine.cache
+        sampled = np.asarray(cache.logpi, dtype=np.float64) < 0
+        # A variance estimate needs at least two sampled units (survey sampling's rule for a stratum): with
+        # fewer, V̂ is 0 or one term whatever was lost — e.g. a 10% budget of a 400-token history, whose tail
+        # expects less than one page. (Nothing evicted: nothing lost, and 0 is the right certificate.)
+        segs = np.asarray(cache.segments, dtype=np.int64)[sampled]
+        pages = np.asarray(cache.positions, dtype=np.int64)[sampled] // self.config.page_size
+        units = len(np.unique(np.stack([segs, pages]), axis=1).T) if len(pages) else 0
+        evicted = len(cache) < self.engine.next_pos
+        return _TurnCerts(question=self._read_relative()[-rows:], sampled_cells=int(np.count_nonzero(sampled)),
+                          uncertified=self.policy.sampled and evicted and units < 2)
 
     def make_room(self, needed: int) -> bool:
         """Free cells for the next prefill + answer; False when the policy cannot (``full``)."""

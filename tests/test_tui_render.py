@@ -91,9 +91,9 @@ def test_status_line_compares_certificate_with_gate() -> None:
 def test_gate_note_says_how_much_history_was_re_read() -> None:
     note = render.gate_note(ev.GateFired("question", 0.52, 0.3, 1234, truncated=True))
     assert "re-read 1234 tokens of history" in note and "0.52 ≥ τ 0.3" in note and "most recent" in note
-    # fired because the eviction could not sample: no "0 ≥ τ" that is not true
+    # fired because too little was sampled: no "0 ≥ τ" that is not true
     note = render.gate_note(ev.GateFired("question", 0.0, 0.6, 99, uncertified=True))
-    assert "no room to sample" in note and "≥" not in note
+    assert "too little of the evicted history was sampled" in note and "≥" not in note
 
 
 def test_keymap_accepts_known_ids_and_reports_unknown_ones() -> None:
