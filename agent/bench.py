@@ -50,10 +50,12 @@ def _history_tokens(model: llama.Model, n: int) -> list[int]:
     return tokens[:n]
 
 
-def _decode_rates(engine: Engine, steps: int, repeats: int = 3) -> list[float]:
-    """``repeats`` measurements of ``_decode_rate`` (one run of 32 steps varies by ±5% on a quiet 2-core
-    machine, so a ratio of single runs can move by a tenth)."""
-    return [_decode_rate(engine, steps) for _ in range(repeats)]
+def _record_decode(out: dict[str, Any], name: str, engine: Engine, steps: int, repeats: int = 3) -> None:
+    """``out[f"decode_tok_s_{name}"]``: the median of ``repeats`` runs of ``_decode_rate`` (one run of 32 steps
+    varies by ±5% on a quiet 2-core machine, so a ratio of single runs can move by a tenth), the runs beside it."""
+    runs = [_decode_rate(engine, steps) for _ in range(repeats)]
+    out[f"decode_tok_s_{name}_runs"] = runs
+    out[f"decode_tok_s_{name}"] = float(np.median(runs))
 
 
 def _decode_rate(engine: Engine, steps: int) -> float:
@@ -104,8 +106,7 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     importance = patched.get_importance(eng.ctx.handle).per_position(eng.cache.positions)
     patched.set_attn_certificate(eng.ctx.handle, False, 1)
     say("decode with the full cache")
-    out["decode_tok_s_full_runs"] = _decode_rates(eng, steps)
-    out["decode_tok_s_full"] = float(np.median(out["decode_tok_s_full_runs"]))
+    _record_decode(out, "full", eng, steps)
     positions = np.asarray(eng.cache.positions)
     protected = np.zeros(len(positions), dtype=bool)
     protected[:4] = True
@@ -130,16 +131,14 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     out["live_cells_after"] = len(eng.cache)
     out["extent_after"] = extent
     say(f"decode after evicting to {len(eng.cache)} cells and compacting")
-    out["decode_tok_s_poisson_runs"] = _decode_rates(eng, steps)
-    out["decode_tok_s_poisson"] = float(np.median(out["decode_tok_s_poisson_runs"]))
+    _record_decode(out, "poisson", eng, steps)
     eng.close()
 
     # 2. a fresh context with only the budget's tokens: the ceiling for an evicted cache.
     fresh = Engine(EngineSettings(model_path=path, n_ctx=budget + 512, n_batch=512, threads=threads))
     fresh.feed(_history_tokens(fresh.model, budget), segment=0)
     say(f"decode with a fresh {budget}-token context")
-    out["decode_tok_s_fresh_budget_runs"] = _decode_rates(fresh, steps)
-    out["decode_tok_s_fresh_budget"] = float(np.median(out["decode_tok_s_fresh_budget_runs"]))
+    _record_decode(out, "fresh_budget", fresh, steps)
 
     # 3. certificate cost at the same live cells.
     rates = {}

@@ -54,8 +54,7 @@ def _print_event(event: ev.Event) -> None:
         sys.stdout.write(event.text)
         sys.stdout.flush()
     elif isinstance(event, ev.GateFired):
-        why = ("too little of the evicted history was sampled to estimate the error" if event.uncertified
-               else f"certificate {event.value:.3f} ≥ τ {event.threshold:.3f}")
+        why = ev.UNCERTIFIED if event.uncertified else f"certificate {event.value:.3f} ≥ τ {event.threshold:.3f}"
         print(f"\n[gate: {why} — re-read {event.reprefill_tokens} tokens of history]", file=sys.stderr)
     elif isinstance(event, ev.Regenerating):
         print("\n[answer discarded after a mid-answer gate breach; answering again from the full history]",

@@ -45,6 +45,10 @@ class CertificateRead:
     step: int = 0
 
 
+UNCERTIFIED = "too little of the evicted history was sampled to estimate the error"
+"""Why an uncertified gate fired, in the words the chat and the CLI show."""
+
+
 @dataclass(frozen=True)
 class GateFired:
     """The gate fired: the history is re-read from the log ("re-read N tokens of history"); sent before the

@@ -311,7 +311,7 @@ class CacheManager:
         # expects less than one page. (Nothing evicted: nothing lost, and 0 is the right certificate.)
         segs = np.asarray(cache.segments, dtype=np.int64)[sampled]
         pages = np.asarray(cache.positions, dtype=np.int64)[sampled] // self.config.page_size
-        units = len(np.unique(np.stack([segs, pages]), axis=1).T) if len(pages) else 0
+        units = np.unique(np.stack([segs, pages]), axis=1).shape[1] if len(pages) else 0
         evicted = len(cache) < self.engine.next_pos
         return _TurnCerts(question=self._read_relative()[-rows:], sampled_cells=int(np.count_nonzero(sampled)),
                           uncertified=self.policy.sampled and evicted and units < 2)

@@ -153,8 +153,7 @@ class ChatSession:
         ``history_answer``: generate (and report) the answer, then replace it in the cache and
         the log with this text, so every policy continues from the same history.
         """
-        snapshot = (self.engine.snapshot(), self.memory.snapshot(), list(self._segments),
-                    list(self._turn_certs)) if independent else None
+        snapshot = self._checkpoint() if independent else None
         meta = {"discarded": True} if independent else None
         clock = _Clock()
         # committed before the model sees it
@@ -258,12 +257,19 @@ class ChatSession:
             if at_turn_end:
                 self._evict(self.engine.next_pos, user.id, clock, on_event)
         if snapshot is not None:
-            engine_snap, memory_snap, segments, certs = snapshot
-            self.engine.restore(engine_snap)
-            self.memory.restore(memory_snap)
-            self._segments, self._turn_certs = segments, certs
+            self._rollback(snapshot)
         on_event(ev.TurnFinished(result, self.memory_view()))
         return result
+
+    def _checkpoint(self) -> tuple:
+        """The cache (and what describes it) as it is now, for ``_rollback``."""
+        return self.engine.snapshot(), self.memory.snapshot(), list(self._segments), list(self._turn_certs)
+
+    def _rollback(self, checkpoint: tuple) -> None:
+        engine_snap, memory_snap, segments, certs = checkpoint
+        self.engine.restore(engine_snap)
+        self.memory.restore(memory_snap)
+        self._segments, self._turn_certs = list(segments), list(certs)
 
     def _abandon(self, message_id: int, first_pos: int, seg: _Segment, phase: str) -> None:
         """Cancelled (or Ctrl-C) before the answer: take the message out of the cache and keep it in the log
@@ -406,14 +412,12 @@ class ChatSession:
         if truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))
-        saved = (self.engine.snapshot(), self.memory.snapshot(), list(self._segments)) if cancel is not None else None
+        saved = self._checkpoint() if cancel is not None else None
         try:
             self._read_history(chosen, cancel=cancel, on_event=on_event)
         except InterruptedError:
             assert saved is not None
-            self.engine.restore(saved[0])
-            self.memory.restore(saved[1])
-            self._segments = saved[2]
+            self._rollback(saved)
             raise
         return total
 

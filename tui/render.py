@@ -33,7 +33,7 @@ def gate_text(threshold: float | None, gate_setting: str) -> str:
 def gate_note(event: ev.GateFired) -> str:
     """The line a gate event leaves in the chat."""
     where = "before answering" if event.phase == "question" else "mid-answer"
-    why = ("too little of the evicted history was sampled to estimate the error" if event.uncertified
+    why = (ev.UNCERTIFIED if event.uncertified
            else f"certificate {fmt_value(event.value)} ≥ τ {fmt_value(event.threshold)}")
     note = f"{GATE_MARK} re-read {event.reprefill_tokens} tokens of history {where} ({why})"
     if event.truncated:

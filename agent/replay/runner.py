@@ -16,8 +16,9 @@ on fillers too (the studies need a gate's rate on the turns that do not need old
 
 Protocols (DESIGN.md §7 says why both): ``multi-round`` evicts every turn, as a live chat
 does (after the user message or at the turn's end, as ``evict_at`` says); ``one-shot`` keeps
-the full cache for the history and evicts once, from the full history, at each probe (the probe is answered independently under the
-policy, then re-entered under ``full``; with ``generate_fillers`` every scripted turn is).
+the full cache for the history and evicts once, from the full history, at each probe (the
+probe is answered independently under the policy, then re-entered under ``full``; with
+``generate_fillers`` every scripted turn is).
 
 Policies are the agent's (full, window, topk, random, poisson) plus ``poisson+gate``, the
 gated system: Poisson eviction with the gate's threshold. The others run with the gate
