@@ -214,8 +214,8 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 stop = "cancelled"
                 break
-            logits = self.ctx.logits(-1)
-            token = sampler.sample(self.ctx, -1)
+            logits = self.ctx.logits(-1, copy=False)  # read before the next decode overwrites it
+            token = sampler.sample(self.ctx, -1, logits)
             logprobs.append(_log_softmax_at(logits, token))
             if self.model.is_eog(token):
                 stop = "eog"

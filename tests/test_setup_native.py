@@ -43,6 +43,10 @@ def test_decode_a_few_tokens_greedy(small_model: Path) -> None:
         logits = ctx.logits(-1)
         token = sampler.sample(ctx, -1)
         assert token == int(np.argmax(logits)), "greedy sampling must pick the arg-max logit"
+        view = ctx.logits(-1, copy=False)
+        assert not view.flags.writeable and np.array_equal(view, logits)
+        # The decode loop's path (argmax over the view) chooses what llama.cpp's greedy sampler chose.
+        assert sampler.sample(ctx, -1, view) == token
         produced.append(token)
         batch.set([token], [pos])
         ctx.decode(batch)
