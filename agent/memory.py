@@ -59,6 +59,35 @@ class _TurnCerts:
     uncertified: bool = False
     """History was evicted but fewer than two units (pages) of it survive as samples, so there is no variance
     to estimate and the certificate cannot speak for what was dropped: the gate fires whatever the value."""
+    evicted_share: dict[str, float] = field(default_factory=dict)
+    """``question.evicted_share[_layer_max]``: see :func:`_evicted_share`."""
+
+
+def _evicted_share(reading: patched.Importance, positions: np.ndarray, logpi: np.ndarray) -> dict[str, float]:
+    """The share of the question's attention that stands in for evicted cells, per layer (mean and max).
+
+    Under the −log π bias a sampled cell of inclusion probability π carries the attention of 1/π cells of
+    its stratum, of which only one is in the cache: a share 1 − π of its weight is the Horvitz–Thompson
+    estimate of attention paid to cells that are gone. Summed over the cells (protected ones have π = 1),
+    that is how much of the question's reading rests on imputed history — what the variance of the kept
+    cells cannot show when the question looks for something the sample missed."""
+    order = np.argsort(positions, kind="stable")
+    sorted_pos = positions[order]
+    gone = 1.0 - np.exp(np.minimum(logpi[order], 0.0))
+    shares = []
+    for mass, cell_pos in zip(reading.mass, reading.cell_pos):
+        live = cell_pos >= 0
+        total = float(mass[live].sum())
+        if total <= 0.0:
+            continue  # a layer without attention (e.g. recurrent or shared-KV layers)
+        pos = cell_pos[live].astype(np.int64)
+        idx = np.clip(np.searchsorted(sorted_pos, pos), 0, max(len(sorted_pos) - 1, 0))
+        hit = sorted_pos[idx] == pos if len(sorted_pos) else np.zeros(len(pos), dtype=bool)
+        shares.append(float((mass[live][hit] * gone[idx[hit]]).sum()) / total)
+    if not shares:
+        return {}
+    return {"question.evicted_share": float(np.mean(shares)),
+            "question.evicted_share_layer_max": float(np.max(shares))}
 
 
 def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
@@ -313,8 +342,10 @@ class CacheManager:
         pages = np.asarray(cache.positions, dtype=np.int64)[sampled] // self.config.page_size
         units = np.unique(np.stack([segs, pages]), axis=1).shape[1] if len(pages) else 0
         evicted = len(cache) < self.engine.next_pos
+        share = _evicted_share(patched.get_importance(self.engine.ctx.handle),
+                               np.asarray(cache.positions, dtype=np.int64), np.asarray(cache.logpi, dtype=np.float64))
         return _TurnCerts(question=self._read_relative()[-rows:], sampled_cells=int(np.count_nonzero(sampled)),
-                          uncertified=self.policy.sampled and evicted and units < 2)
+                          uncertified=self.policy.sampled and evicted and units < 2, evicted_share=share)
 
     def make_room(self, needed: int) -> bool:
         """Free cells for the next prefill + answer; False when the policy cannot (``full``)."""
@@ -331,7 +362,7 @@ class CacheManager:
         answer = np.stack(self._turn.answer) if self._turn.answer else None
         if question is None and answer is None:
             return {}
-        return poisson.turn_statistics(question=question, answer=answer)
+        return {**poisson.turn_statistics(question=question, answer=answer), **self._turn.evicted_share}
 
     def question_gate(self) -> GateDecision:
         tau = self.threshold()

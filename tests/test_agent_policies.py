@@ -229,3 +229,24 @@ def test_a_message_that_fills_the_budget_is_uncertified_and_gated(engine: Engine
     s.reconfigure(gate="off")
     r = s.send(long + "again.")
     assert r.certificate_detail.get("uncertified") == 1 and not r.gate_fired
+
+
+def test_evicted_share_counts_the_attention_standing_in_for_evicted_cells() -> None:
+    """Per layer: Σ mass·(1 − π) / Σ mass over the cache's cells; protected cells (π = 1) count 0, cells the
+    reading saw that the cache no longer holds count nothing, and layers without attention are left out."""
+    from agent.memory import _evicted_share
+    from native import patched
+
+    positions = np.array([0, 1, 5, 9])
+    logpi = np.log(np.array([1.0, 1.0, 0.5, 0.25]))
+    reading = patched.Importance(
+        mass=np.array([[1.0, 1.0, 1.0, 1.0, 4.0], [0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 2.0, 0.0, 2.0, 0.0]],
+                      dtype=np.float32),
+        cell_pos=np.array([[0, 1, 5, 9, 7], [0, 1, 5, 9, -1], [9, 5, 1, 0, -1]], dtype=np.int32))
+    out = _evicted_share(reading, positions, logpi)
+    layer0 = (1.0 * 0.5 + 1.0 * 0.75) / 8.0  # position 7 is gone from the cache: in the mass, not the share
+    layer2 = (2.0 * 0.5) / 4.0
+    assert out["question.evicted_share"] == pytest.approx((layer0 + layer2) / 2)
+    assert out["question.evicted_share_layer_max"] == pytest.approx(max(layer0, layer2))
+    assert _evicted_share(reading, positions, np.zeros(4)) == {"question.evicted_share": 0.0,
+                                                               "question.evicted_share_layer_max": 0.0}
