@@ -7,7 +7,8 @@
 - the per-turn overhead of eviction + certificate + store writes in a real session turn, for
   both eviction timings (config `evict_at`: after the question, or at the end of the turn);
 - the design core's time for one eviction round at 32k cells;
-- a gated re-prefill against a steady-state turn.
+- a gated re-prefill against a steady-state turn, and the next gated turn, which restores the first
+  re-read's copy (config ``reread_copy``) and prefills only what came after it.
 
 Numbers depend on the machine: the report names the model, threads and sizes.
 """
@@ -195,16 +196,21 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
             # A gated turn: τ = 0 forces the re-prefill of the whole history from the log.
             session.reconfigure(gate="0")
             gated_turn: tuple[ev.TurnResult, float] | None = timed("One more time, briefly?")
+            # fires again: restores the copy the first re-read left, prefills the turn since (config reread_copy)
+            gated_again: tuple[ev.TurnResult, float] | None = timed("And the names, briefly?")
         else:
-            gated_turn = None
+            gated_turn = gated_again = None
         session.close()
     eng.close()
     walls = [w for _, w in steady]
     phases = {k: float(np.median([r.timings.get(k, 0.0) for r, _ in steady])) for k in
               (*overhead_phases, "closing", "reprefill")}
-    gated_keys = {} if gated_turn is None else {
+    gated_keys = {} if gated_turn is None or gated_again is None else {
         "gated_turn_ms": gated_turn[1], "gated_reprefill_tokens": gated_turn[0].reprefill_tokens,
-        "gated_reprefill_ms": gated_turn[0].timings.get("reprefill", 0.0)}
+        "gated_reprefill_ms": gated_turn[0].timings.get("reprefill", 0.0),
+        "gated_again_turn_ms": gated_again[1], "gated_again_reprefill_tokens": gated_again[0].reprefill_tokens,
+        "gated_again_restored_tokens": gated_again[0].restored_tokens,
+        "gated_again_reprefill_ms": gated_again[0].timings.get("reprefill", 0.0)}
     return {
         "turn_evict_at": evict_at,
         "turn_history_tokens": history,
@@ -282,6 +288,10 @@ def _turn_mode_lines(out: dict[str, Any]) -> list[str]:
     if "gated_turn_ms" in out:
         lines.append(f"steady-state turn {f('steady_turn_ms', '{:.0f}')} ms vs gated turn {f('gated_turn_ms', '{:.0f}')} ms "
                      f"(re-prefilled {out.get('gated_reprefill_tokens')} tokens in {f('gated_reprefill_ms', '{:.0f}')} ms)")
+    if "gated_again_turn_ms" in out:
+        lines.append(f"  the next gated turn {f('gated_again_turn_ms', '{:.0f}')} ms: restored "
+                     f"{out.get('gated_again_restored_tokens')} tokens from the first re-read's copy, prefilled "
+                     f"{out.get('gated_again_reprefill_tokens')} in {f('gated_again_reprefill_ms', '{:.0f}')} ms")
     return lines
 
 

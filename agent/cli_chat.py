@@ -55,7 +55,7 @@ def _print_event(event: ev.Event) -> None:
         sys.stdout.flush()
     elif isinstance(event, ev.GateFired):
         why = ev.UNCERTIFIED if event.uncertified else f"certificate {event.value:.3f} ≥ τ {event.threshold:.3f}"
-        print(f"\n[gate: {why} — re-read {event.reprefill_tokens} tokens of history]", file=sys.stderr)
+        print(f"\n[gate: {why} — {ev.reread_words(event.reprefill_tokens, event.restored_tokens)}]", file=sys.stderr)
     elif isinstance(event, ev.Regenerating):
         print("\n[answer discarded after a mid-answer gate breach; answering again from the full history]",
               file=sys.stderr)

@@ -17,7 +17,7 @@ from agent import paths
 
 POLICIES = ("full", "window", "topk", "random", "poisson")
 EVICT_AT = ("question", "turn-end")
-DEFAULT_EVICT_AT = "question"
+DEFAULT_EVICT_AT = "turn-end"
 
 
 class ConfigError(ValueError):
@@ -74,11 +74,12 @@ class Config:
     floor: float = 0.05
     """Score floor, as a share of the mean unprotected score, so every unprotected π stays > 0."""
     evict_at: str = DEFAULT_EVICT_AT
-    """When the cache is brought back to its budget: "question" (after the user's message is prefilled but for
-    its last cert_window tokens, so its attention decides what stays; those tokens are then prefilled on the
-    evicted cache and certify it) or "turn-end" (after the answer, scored by the question's and the closing tokens' attention; the
-    next message's prefill certifies the evicted cache itself, so no re-read: cheaper turns, eviction blind to the
-    next question)."""
+    """When the cache is brought back to its budget: "turn-end" (the default: after the answer, scored by the
+    question's and the closing tokens' attention; the next message's prefill, in one batch, certifies the evicted
+    cache itself — cheaper turns, eviction blind to the next question) or "question" (after the user's message
+    is prefilled but for its last cert_window tokens, so its attention decides what stays; those tokens are then
+    prefilled on the evicted cache and certify it — one more prefill batch per turn). docs/results/NOTES.md
+    ("Which timing by default", fifth session) has the measurements that chose the default."""
     question_window: int = 32
     """Last prompt tokens whose attention scores the cache for eviction (SnapKV's observation window)."""
     cert_window: int = 8
@@ -88,6 +89,11 @@ class Config:
     """Turn statistic the gate compares with τ: "auto" (the one the calibration chose, agent/gate_calibration.json),
     question.max (maximum over the question window's rows × layers × heads of the relative certificate),
     question.q (their 95th percentile) or any key of the turn detail, e.g. answer.step_max_q (running maximum)."""
+    reread_copy: bool = True
+    """Keep the cache a gate's re-read leaves (the full history, in host memory: about 12 KB per token for
+    qwen2.5-coder-0.5b) so the next firing restores it and prefills only the messages logged since. The log
+    stays the source of truth: the copy is used only when its messages are, token for token, the start of what
+    the log says to re-read. Off: every firing prefills the whole history again."""
     answer_certificate: bool = False
     """Also read the certificate at every answer step (the answer.* statistics; replays turn it on). Off, the
     certificate is computed for the question window only, and answer decoding runs at full speed; an answer.*

@@ -49,6 +49,12 @@ UNCERTIFIED = "too little of the evicted history was sampled to estimate the err
 """Why an uncertified gate fired, in the words the chat and the CLI show."""
 
 
+def reread_words(tokens: int | None, restored: int = 0) -> str:
+    """What a gate's re-read costs, in the words the chat and the CLI show."""
+    words = f"re-read {tokens if tokens is not None else '?'} tokens of history"
+    return f"{words} ({restored} more restored from the last re-read)" if restored else words
+
+
 @dataclass(frozen=True)
 class GateFired:
     """The gate fired: the history is re-read from the log ("re-read N tokens of history"); sent before the
@@ -63,6 +69,8 @@ class GateFired:
     uncertified: bool = False
     """Fired because too little of the evicted history was sampled (fewer than two pages) to estimate the error,
     so no certificate vouches for what was dropped; ``value`` is then not what fired it."""
+    restored_tokens: int = 0
+    """History tokens restored from the copy the previous re-read left (config ``reread_copy``), not prefilled."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,8 @@ class TurnResult:
     decode_tok_s: float
     answer_tokens: int
     logprob_mean: float | None
+    restored_tokens: int = 0
+    """History tokens a gate's re-read restored from the previous re-read's copy instead of prefilling them."""
     timings: dict[str, float] = field(default_factory=dict)
     """Milliseconds by phase besides prefill and decode: evict (design, seq_rm, biases, compaction, its log
     record), certificate (reading the certificate and the attention from the graph, statistics), store (log writes on the

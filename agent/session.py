@@ -29,7 +29,7 @@ import numpy as np
 
 from agent import events as ev
 from agent.config import Config, parse_budget
-from agent.engine import Engine, Generation
+from agent.engine import Engine, EngineSnapshot, Generation
 from agent.memory import CacheManager, GateDecision
 from agent.template import ChatTemplate, Message as TemplateMessage, strip_bos
 from memory_store.records import Turn
@@ -62,6 +62,15 @@ class _Clock:
             self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - start) * 1000.0
 
 
+@dataclass(frozen=True)
+class _ReadCopy:
+    """The cache as a gate's re-read left it: the logged messages it holds (id, exact tokens) from position 0."""
+
+    conversation_id: int
+    messages: tuple[tuple[int, tuple[int, ...]], ...]
+    snapshot: EngineSnapshot
+
+
 @dataclass
 class _Segment:
     """One message as the model saw it (the template renders these)."""
@@ -86,6 +95,7 @@ class ChatSession:
         self._segments: list[_Segment] = []
         self._turn_certs: list[tuple[int, float | None, bool]] = []
         self._last_tok_s: float | None = None
+        self._copy: _ReadCopy | None = None
         self.conversation_id = -1
         if conversation_id is None:
             self.new_conversation()
@@ -110,6 +120,7 @@ class ChatSession:
         conv = self.store.create_conversation(title=title, model=self.model_name,
                                               settings={"policy": self.config.policy, "budget": self.config.budget})
         self.conversation_id = conv.id
+        self._copy = None
         self.engine.reset()
         self.memory.reset()
         self._segments = []
@@ -130,13 +141,14 @@ class ChatSession:
         progress), then evicted to budget."""
         self.store.get_conversation(conversation_id)
         self.conversation_id = conversation_id
+        self._copy = None
         self.engine.reset()
         self.memory.reset()
         self._segments = []
         self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired)
                             for i, t in enumerate(self.store.turns(conversation_id))]
         self.memory.before_prefill()
-        self._read_history(self._history_to_read()[0], on_event=on_event)
+        self._read_history(self._history_to_read()[0], on_event=on_event, keep_copy=True)
         self.memory.after_prefill()
         self.memory.evict(protect_from=self.engine.next_pos, round_hint=0)
 
@@ -197,7 +209,7 @@ class ChatSession:
             raise
         on_event(ev.Prefilled(len(tokens), prefill_ms))
 
-        reprefill_tokens = 0
+        reprefill_tokens = restored_tokens = 0
         gate_fired = False
         with clock("certificate"):
             decision = self.memory.question_gate()
@@ -209,7 +221,7 @@ class ChatSession:
             fired_detail = self.memory.turn_detail()
             try:
                 with clock("reprefill"):
-                    reprefill_tokens = self._gate_reprefill(decision, "question", on_event, cancel)
+                    reprefill_tokens, restored_tokens = self._gate_reprefill(decision, "question", on_event, cancel)
             except InterruptedError:
                 self._abandon(user.id, first_pos, seg, "reprefill")
                 raise
@@ -222,12 +234,13 @@ class ChatSession:
             gen, answer_msg = self._forced(forced_answer, meta)
         else:
             try:
-                gen, stream, regen_tokens, fired_mid = self._answer(on_event, cancel, allow_gate=not gate_fired,
-                                                                    meta=meta, clock=clock)
+                gen, stream, (regen_tokens, regen_restored), fired_mid = self._answer(
+                    on_event, cancel, allow_gate=not gate_fired, meta=meta, clock=clock)
             except InterruptedError:  # stopped during a mid-answer re-read
                 self._abandon(user.id, first_pos, seg, "reprefill")
                 raise
             reprefill_tokens += regen_tokens
+            restored_tokens += regen_restored
             gate_fired = gate_fired or fired_mid
             answer_msg = self._close_answer(gen, stream, clock)
         if at_turn_end and snapshot is None and history_answer is None:
@@ -245,7 +258,8 @@ class ChatSession:
             answer=gen.text, stop=gen.stop, policy=self.config.policy, budget_cells=self.memory.budget_cells(),
             live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, certificate=stat,
             certificate_detail={**fired_detail, **self.memory.turn_detail()}, gate_threshold=self.memory.threshold(),
-            gate_fired=gate_fired, reprefill_tokens=reprefill_tokens, prefill_ms=prefill_ms,
+            gate_fired=gate_fired, reprefill_tokens=reprefill_tokens, restored_tokens=restored_tokens,
+            prefill_ms=prefill_ms,
             decode_ms=gen.decode_ms, decode_tok_s=gen.tok_per_s, answer_tokens=len(gen.tokens),
             logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None,
             timings=clock.ms,
@@ -325,9 +339,11 @@ class ChatSession:
         return gen, msg.id
 
     def _answer(self, on_event: EventSink, cancel: threading.Event | None,
-                allow_gate: bool, clock: "_Clock", meta: dict | None = None) -> tuple[Generation, object, int, bool]:
-        """Generate (and on a mid-answer breach, re-prefill and regenerate from the start)."""
-        reprefill = 0
+                allow_gate: bool, clock: "_Clock",
+                meta: dict | None = None) -> tuple[Generation, object, tuple[int, int], bool]:
+        """Generate (and on a mid-answer breach, re-prefill and regenerate from the start); the tokens
+        re-prefilled and restored come back with the answer."""
+        reprefill = restored = 0
         fired = False
         self.sampler.reset()
         while True:
@@ -351,14 +367,16 @@ class ChatSession:
             gen = self.engine.generate(self.sampler, self.config.max_tokens, segment=index, cancel=cancel,
                                        on_text=on_text, step_hook=step_hook)
             if not breach:
-                return gen, stream, reprefill, fired
+                return gen, stream, (reprefill, restored), fired
             # Mid-answer breach: drop what was streamed, re-read the history, answer again.
             stream.cancel()
             self.store.set_message_status(stream.message_id, "interrupted")
             on_event(ev.Regenerating(len(gen.text)))
             try:
                 with clock("reprefill"):
-                    reprefill += self._gate_reprefill(breach[0], "answer", on_event, cancel)
+                    fed, kept = self._gate_reprefill(breach[0], "answer", on_event, cancel)
+                reprefill += fed
+                restored += kept
             except InterruptedError:
                 self.store.update_message_meta(stream.message_id, {"discarded": True, "cancelled": "reprefill"})
                 raise
@@ -402,24 +420,28 @@ class ChatSession:
 
     # -- gate and re-prefill -----------------------------------------------------------------
     def _gate_reprefill(self, decision: GateDecision, phase: str, on_event: EventSink,
-                        cancel: threading.Event | None) -> int:
-        """Re-read the history from the log into a fresh cache; returns tokens re-prefilled. Cancelled
-        part-way (``InterruptedError``), the cache is put back as it was before the re-read."""
+                        cancel: threading.Event | None) -> tuple[int, int]:
+        """Re-read the history from the log into a fresh cache; returns the tokens prefilled and those restored
+        from the previous re-read's copy. Cancelled part-way (``InterruptedError``), the cache is put back as it
+        was before the re-read."""
         chosen, truncated = self._history_to_read()
-        total = sum(len(m.tokens) for m in chosen)
+        kept = self._copy_covers(chosen)
+        total = sum(len(m.tokens) for m in chosen[kept:])
+        restored = sum(len(m.tokens) for m in chosen[:kept])
         assert decision.value is not None and decision.threshold is not None
-        on_event(ev.GateFired(phase, decision.value, decision.threshold, total, truncated, decision.uncertified))
+        on_event(ev.GateFired(phase, decision.value, decision.threshold, total, truncated, decision.uncertified,
+                              restored))
         if truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))
         saved = self._checkpoint() if cancel is not None else None
         try:
-            self._read_history(chosen, cancel=cancel, on_event=on_event)
+            self._read_history(chosen, cancel=cancel, on_event=on_event, keep_copy=True)
         except InterruptedError:
             assert saved is not None
             self._rollback(saved)
             raise
-        return total
+        return total, restored
 
     def _history_to_read(self, reserve: int | None = None, pending: int | None = None) -> tuple[list, bool]:
         """The logged messages a re-read prefills (exact token ids): all of them, or when they do not fit with
@@ -446,22 +468,47 @@ class ChatSession:
         return head + tail, True
 
     def _read_history(self, chosen: list, cancel: threading.Event | None = None,
-                      on_event: EventSink = _ignore) -> int:
-        """Clear the cache and prefill ``chosen``'s exact token ids; returns tokens fed. ``Rereading`` events
-        report the progress; ``cancel`` stops it between batches (``InterruptedError``, cache part-filled)."""
+                      on_event: EventSink = _ignore, keep_copy: bool = False) -> int:
+        """Clear the cache and prefill ``chosen``'s exact token ids; returns tokens fed. The messages the
+        previous re-read's copy holds are restored from it instead. ``Rereading`` events report the progress;
+        ``cancel`` stops it between batches (``InterruptedError``, cache part-filled). ``keep_copy``: keep the
+        result as the next re-read's copy (config ``reread_copy``)."""
+        kept = self._copy_covers(chosen)
         self.engine.reset()
         self.memory.reset_cache_state()
-        total = sum(len(m.tokens) for m in chosen)
+        if kept:
+            assert self._copy is not None
+            self.engine.restore(self._copy.snapshot)
+        rest = chosen[kept:]
+        total = sum(len(m.tokens) for m in rest)
         fed = 0
         on_event(ev.Rereading(0, total))
-        for m in chosen:
+        for m in rest:
             toks = [int(t) for t in m.tokens]
             done = fed
             self.engine.feed(toks, segment=m.index, logits_last=m is chosen[-1], cancel=cancel,
                              progress=lambda n, done=done: on_event(ev.Rereading(done + n, total)))
             fed += len(toks)
         self._segments = [_Segment(m.index, m.role, m.content) for m in chosen]
+        if keep_copy and self.config.reread_copy and self.memory.policy.evicts and self.memory.threshold() is not None:
+            self._copy = _ReadCopy(self.conversation_id, tuple((m.id, tuple(int(t) for t in m.tokens)) for m in chosen),
+                                   self.engine.snapshot())
         return fed
+
+    def _copy_covers(self, chosen: list) -> int:
+        """How many of ``chosen``'s first messages the previous re-read's copy holds, token for token (0: none,
+        or the copy is off, of another conversation, or differs from the log). Never all of them: the last
+        message is always fed, as the answer starts from its logits."""
+        copy = self._copy
+        if copy is None or not self.config.reread_copy or copy.conversation_id != self.conversation_id:
+            return 0
+        n = len(copy.messages)
+        if n >= len(chosen):
+            return 0
+        for (mid, toks), m in zip(copy.messages, chosen):
+            if m.id != mid or len(m.tokens) != len(toks) or tuple(int(t) for t in m.tokens) != toks:
+                return 0
+        return n
 
     def _tokenized(self, msgs: list) -> list:
         """The messages with their token ids; messages logged without them (imported, or
@@ -529,6 +576,7 @@ class ChatSession:
             prefill_s=result.prefill_ms / 1000.0, decode_s=result.decode_ms / 1000.0,
             tokens_per_s=result.decode_tok_s, seed=self.config.seed,
             extra={"stop": result.stop, "logprob_mean": result.logprob_mean, "budget": self.config.budget,
+                   "restored_tokens": result.restored_tokens,
                    "timings_ms": {k: round(v, 3) for k, v in result.timings.items()}},
         ))
 

@@ -63,8 +63,10 @@ def test_auto_gate_reads_the_calibration_that_chose_it(tmp_path: Path) -> None:
     assert calibration.default_tau(cal.statistic) == cal.tau
     other = "answer.q" if cal.statistic != "answer.q" else "question.q"
     assert calibration.default_tau(other) is None  # calibrated for another statistic: the gate stays off
-    path = calibration.write({**cal.record, "statistic": "question.q", "tau": 0.5}, tmp_path / "cal.json")
-    assert calibration.load(path).tau == 0.5 and calibration.load(path).statistic == "question.q"
+    assert cal.record["evict_at"] == config.Config().evict_at, "the shipped default is calibrated for the default timing"
+    path = calibration.write({**cal.record, "evict_at": "question", "statistic": "question.q", "tau": 0.5},
+                             tmp_path / "cal.json")
+    assert calibration.load(path, "question").tau == 0.5 and calibration.load(path, "question").statistic == "question.q"
     # one record per eviction timing: a turn-end calibration sits beside the question one
     calibration.write({**cal.record, "evict_at": "turn-end", "tau": 0.9}, path)
     assert calibration.load(path, "turn-end").tau == 0.9 and calibration.load(path, "question").tau == 0.5
@@ -72,8 +74,8 @@ def test_auto_gate_reads_the_calibration_that_chose_it(tmp_path: Path) -> None:
     assert calibration.load(path, "turn-end").tau == 0.8 and calibration.load(path, "question").tau == 0.5
     # a file from before the setting holds one record: the question-timing calibration
     (tmp_path / "old.json").write_text('{"statistic": "question.max", "tau": 0.7}', encoding="utf-8")
-    assert calibration.load(tmp_path / "old.json").tau == 0.7
+    assert calibration.load(tmp_path / "old.json", "question").tau == 0.7
     assert calibration.load(tmp_path / "old.json", "turn-end") is None
-    assert calibration.load(tmp_path / "missing.json") is None
+    assert calibration.load(tmp_path / "missing.json", "question") is None
     (tmp_path / "bad.json").write_text("{", encoding="utf-8")
     assert calibration.load(tmp_path / "bad.json") is None

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent import policies
+from agent import events as ev, policies
 from agent.config import EVICT_AT, Config
 from agent.engine import Engine, EngineSettings
 from agent.session import ChatSession
@@ -197,7 +197,7 @@ def test_a_small_budget_still_samples_after_the_question(engine: Engine, tmp_pat
     """The recent window gives way to the message, so a budget barely above sinks + recent + message still
     leaves cells to sample and the certificate measures something (it used to be 0: nothing was sampled)."""
     cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="48", max_tokens=8, gate="off",
-                 page_size=4, seed=5)
+                 page_size=4, seed=5, evict_at="question")
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     results = [s.send(text, forced_answer="Noted.") for text in FACTS + FILLERS]
     evicted = [r for r in results if s.store.eviction_rounds(s.conversation_id)]
@@ -215,7 +215,7 @@ def test_a_message_that_fills_the_budget_is_uncertified_and_gated(engine: Engine
 
     # the budget's floor is sinks + recent (36 cells); the message is longer than that
     cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="24", max_tokens=8, gate="1000",
-                 page_size=4)
+                 page_size=4, evict_at="question")
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in FACTS:
         s.send(text, forced_answer="Noted.")
@@ -250,3 +250,34 @@ def test_evicted_share_counts_the_attention_standing_in_for_evicted_cells() -> N
     assert out["question.evicted_share_layer_max"] == pytest.approx(max(layer0, layer2))
     assert _evicted_share(reading, positions, np.zeros(4)) == {"question.evicted_share": 0.0,
                                                                "question.evicted_share_layer_max": 0.0}
+
+
+def test_a_gate_reread_restores_the_previous_reread_and_prefills_only_what_came_after(
+        engine: Engine, tmp_path: Path) -> None:
+    """With ``reread_copy`` each firing restores the cache the previous re-read left and prefills only the
+    messages logged since; without it every firing prefills the whole history. Same answers either way (the
+    restored cells are the ones a prefill of the same logged tokens computed), and a copy never crosses
+    conversations."""
+    def run(copy: bool) -> tuple[list[ev.TurnResult], ChatSession]:
+        cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="48", max_tokens=12, gate="0",
+                     page_size=4, reread_copy=copy)
+        s = ChatSession(cfg, Store(tmp_path / f"copy-{copy}.db"), engine, "smollm2-135m")
+        return [s.send(text) for text in FACTS + ["What is my locker code?"]], s
+
+    with_copy, s = run(True)
+    without, _ = run(False)
+    assert [r.answer for r in with_copy] == [r.answer for r in without]
+    assert all(r.gate_fired and r.restored_tokens == 0 for r in without)
+    msgs = s.store.messages(s.conversation_id)
+    for i, r in enumerate(with_copy):
+        # turn i's read ends with its user message (index 2i+1 after the system prompt); the previous read
+        # ended with turn i-1's, so the copy holds everything before turn i-1's answer
+        lengths = [len(m.tokens) for m in msgs[: 2 * i + 2]]
+        if i == 0:
+            assert r.restored_tokens == 0 and r.reprefill_tokens == sum(lengths)
+        else:
+            assert r.restored_tokens == sum(lengths[:-2]) and r.reprefill_tokens == sum(lengths[-2:])
+        assert r.reprefill_tokens + r.restored_tokens == without[i].reprefill_tokens
+    assert s.store.turns(s.conversation_id)[-1].extra["restored_tokens"] == with_copy[-1].restored_tokens
+    s.new_conversation()
+    assert s.send("Hello there.").restored_tokens == 0

@@ -35,7 +35,7 @@ def gate_note(event: ev.GateFired) -> str:
     where = "before answering" if event.phase == "question" else "mid-answer"
     why = (ev.UNCERTIFIED if event.uncertified
            else f"certificate {fmt_value(event.value)} ≥ τ {fmt_value(event.threshold)}")
-    note = f"{GATE_MARK} re-read {event.reprefill_tokens} tokens of history {where} ({why})"
+    note = f"{GATE_MARK} {ev.reread_words(event.reprefill_tokens, event.restored_tokens)} {where} ({why})"
     if event.truncated:
         note += " — only the most recent part fits the context"
     return note
@@ -43,7 +43,7 @@ def gate_note(event: ev.GateFired) -> str:
 
 def logged_gate_note(tokens: int | None) -> str:
     """The same line for a logged turn (the log keeps the count, not the phase)."""
-    return f"{GATE_MARK} re-read {tokens if tokens is not None else '?'} tokens of history"
+    return f"{GATE_MARK} {ev.reread_words(tokens)}"
 
 
 @dataclass(frozen=True)

@@ -327,6 +327,7 @@ class Runner:
             "certificate_detail": _plain(result.certificate_detail),
             "gate_threshold": result.gate_threshold, "gate_fired": result.gate_fired,
             "gate_events": watch.gate_events, "reprefill_tokens": result.reprefill_tokens,
+            "restored_tokens": result.restored_tokens,
             "answer_tokens": 0 if forced else result.answer_tokens,
             "decode_ms": 0.0 if forced else result.decode_ms,
             "prefill_ms": result.prefill_ms, "logprob_mean": result.logprob_mean, "stop": result.stop,
