@@ -82,6 +82,10 @@ def test_gating_curves_against_random_and_confidence() -> None:
     assert row["statistics"]["confidence"]["gain_ratio_vs_random"] is None
     assert q["auc_probe_vs_filler"] == pytest.approx(
         studies.auc([0.9] * 4 + [0.1] * 4, [0.95] + [0.05] * 9))
+    # the later half of the script (turns 9–17 of 17) leaves out the loud filler at turn 8
+    assert q["auc_probe_vs_late_filler"] == pytest.approx(studies.auc([0.9] * 4 + [0.1] * 4, [0.05] * 9))
+    # the fillers come after the probes here: turn position alone scores 0 against them either way
+    assert row["statistics"]["turn_index"]["auc_probe_vs_late_filler"] == 0.0
     # over all turns the one loud filler takes a gate slot
     at = q["over_turns"][0]
     assert at["filler_rate"] == pytest.approx(0.1)

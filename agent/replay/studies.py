@@ -226,6 +226,12 @@ def gating(doc: dict[str, Any], rates: tuple[float, ...] = RATES) -> list[dict[s
         if not probes:
             continue
         fillers = [s for s in steps if s["kind"] == "filler"]
+        # fillers in the later half of their script: against these, separation by turn position alone (the
+        # history and the number of eviction rounds grow with it) no longer counts
+        last_turn: dict[str, int] = defaultdict(int)
+        for s in steps:
+            last_turn[s["script"]] = max(last_turn[s["script"]], int(s["turn"]))
+        late = [f["turn"] * 2 >= last_turn[f["script"]] for f in fillers]
         base = float(np.mean([bool(p["correct"]) for p in probes]))
         full = float(np.mean([bool(p["full"]["correct"]) for p in probes]))
         random_curve = [{"rate": r, "recall": float(np.mean([r * bool(p["full"]["correct"])
@@ -257,6 +263,8 @@ def gating(doc: dict[str, Any], rates: tuple[float, ...] = RATES) -> list[dict[s
                 "gain_ratio_vs_random": _ratios(over_turns, random_curve, base) if over_turns else None,
                 "gain_ratio_vs_random_over_probes": _ratios(over_probes, random_curve, base),
                 "auc_probe_vs_filler": auc(probe_scores, vals) if vals else None,
+                "auc_probe_vs_late_filler": auc(probe_scores, [v for v, is_late in zip(vals, late) if is_late])
+                if any(late) else None,
                 "auc_induced_vs_rest": auc([sc for p, sc in zip(probes, probe_scores)
                                             if p["full"]["correct"] and not p["correct"]],
                                            [sc for p, sc in zip(probes, probe_scores)
@@ -472,7 +480,10 @@ def render(result: dict[str, Any]) -> str:
     elif study == "gating":
         lines += ["Recompute rate r counts every user turn; the gain ratio is (recall gated − recall ungated) / "
                   "(the same for random gating at r). 'over probes' ignores the cost of firing on fillers.", "",
-                  "| policy | budget | protocol | recall no gate → full | gate | probe-vs-filler AUC "
+                  "Probe-vs-filler AUC: against all fillers, and against the fillers in the later half of their "
+                  "script (where turn position alone no longer separates; the turn_index row shows how much it "
+                  "does over all).", "",
+                  "| policy | budget | protocol | recall no gate → full | gate | probe-vs-filler AUC (later half) "
                   "| gain ratio at r = 10 / 25 / 50% | recall at r = 25% (filler rate) | ratio over probes at 25% |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in result["rows"]:
@@ -485,7 +496,8 @@ def render(result: dict[str, Any]) -> str:
                 at_text = f"{_f(at['recall'])} ({_f(at.get('filler_rate'))})" if at else "—"
                 over_p = _f(s["gain_ratio_vs_random_over_probes"][i25]) if i25 is not None else "—"
                 lines.append(f"| {r['policy']} | {r['budget']} | {r['protocol']} | {_f(r['recall_no_gate'])} → "
-                             f"{_f(r['recall_full'])} | {name} | {_f(s['auc_probe_vs_filler'])} | {ratios} "
+                             f"{_f(r['recall_full'])} | {name} | {_f(s['auc_probe_vs_filler'])} "
+                             f"({_f(s.get('auc_probe_vs_late_filler'))}) | {ratios} "
                              f"| {at_text} | {over_p} |")
         if result.get("calibration"):
             lines += ["", "Calibration (rule 'fillers': the smallest τ with filler gate rate ≤ target; rule "
