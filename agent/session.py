@@ -479,6 +479,8 @@ class ChatSession:
         if kept:
             assert self._copy is not None
             self.engine.restore(self._copy.snapshot)
+            # the copy may hold messages past the ones it serves: they go
+            self.engine.truncate(sum(len(toks) for _, toks in self._copy.messages[:kept]))
         rest = chosen[kept:]
         total = sum(len(m.tokens) for m in rest)
         fed = 0
@@ -497,17 +499,17 @@ class ChatSession:
 
     def _copy_covers(self, chosen: list) -> int:
         """How many of ``chosen``'s first messages the previous re-read's copy holds, token for token (0: none,
-        or the copy is off, of another conversation, or differs from the log). Never all of them: the last
-        message is always fed, as the answer starts from its logits."""
+        the copy is off or of another conversation). A copy whose later messages the log no longer lists (an
+        independent probe, a replaced answer) still serves the messages before them. Never all of ``chosen``:
+        the last message is always fed, as the answer starts from its logits."""
         copy = self._copy
         if copy is None or not self.config.reread_copy or copy.conversation_id != self.conversation_id:
             return 0
-        n = len(copy.messages)
-        if n >= len(chosen):
-            return 0
-        for (mid, toks), m in zip(copy.messages, chosen):
+        n = 0
+        for (mid, toks), m in zip(copy.messages[: len(chosen) - 1], chosen):
             if m.id != mid or len(m.tokens) != len(toks) or tuple(int(t) for t in m.tokens) != toks:
-                return 0
+                break
+            n += 1
         return n
 
     def _tokenized(self, msgs: list) -> list:

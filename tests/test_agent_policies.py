@@ -279,5 +279,11 @@ def test_a_gate_reread_restores_the_previous_reread_and_prefills_only_what_came_
             assert r.restored_tokens == sum(lengths[:-2]) and r.reprefill_tokens == sum(lengths[-2:])
         assert r.reprefill_tokens + r.restored_tokens == without[i].reprefill_tokens
     assert s.store.turns(s.conversation_id)[-1].extra["restored_tokens"] == with_copy[-1].restored_tokens
+    # an independent probe's re-read leaves a copy that ends in the (discarded) probe: the messages before it
+    # still serve the next firing, which prefills only its own message
+    s.send("What is my cat called?", independent=True)
+    r = s.send("Where was I born?")
+    kept = [len(m.tokens) for m in s.store.messages(s.conversation_id) if not m.meta.get("discarded")]
+    assert r.restored_tokens == sum(kept[:-2]) and r.reprefill_tokens == kept[-2]
     s.new_conversation()
     assert s.send("Hello there.").restored_tokens == 0
