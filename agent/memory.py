@@ -71,19 +71,14 @@ def _evicted_share(reading: patched.Importance, positions: np.ndarray, logpi: np
     estimate of attention paid to cells that are gone. Summed over the cells (protected ones have π = 1),
     that is how much of the question's reading rests on imputed history — what the variance of the kept
     cells cannot show when the question looks for something the sample missed."""
-    order = np.argsort(positions, kind="stable")
-    sorted_pos = positions[order]
-    gone = 1.0 - np.exp(np.minimum(logpi[order], 0.0))
+    gone = 1.0 - np.exp(np.minimum(logpi, 0.0))
     shares = []
-    for mass, cell_pos in zip(reading.mass, reading.cell_pos):
-        live = cell_pos >= 0
-        total = float(mass[live].sum())
+    for layer in range(reading.mass.shape[0]):
+        total = float(reading.mass[layer][reading.cell_pos[layer] >= 0].sum())
         if total <= 0.0:
             continue  # a layer without attention (e.g. recurrent or shared-KV layers)
-        pos = cell_pos[live].astype(np.int64)
-        idx = np.clip(np.searchsorted(sorted_pos, pos), 0, max(len(sorted_pos) - 1, 0))
-        hit = sorted_pos[idx] == pos if len(sorted_pos) else np.zeros(len(pos), dtype=bool)
-        shares.append(float((mass[live][hit] * gone[idx[hit]]).sum()) / total)
+        one = patched.Importance(reading.mass[layer:layer + 1], reading.cell_pos[layer:layer + 1])
+        shares.append(float((one.per_position(positions) * gone).sum()) / total)
     if not shares:
         return {}
     return {"question.evicted_share": float(np.mean(shares)),
@@ -208,7 +203,7 @@ class CacheManager:
             return
         self._importance = []
         self.read_importance()
-        self._turn = self._question_certs(self.config.cert_window)
+        self._turn = self._question_certs(self.config.cert_window, self._importance[-1] if self._importance else None)
 
     def read_importance(self, add: bool = False) -> None:
         """Keep the attention the last feed's window rows paid each cell (the next eviction's scores);
@@ -331,8 +326,9 @@ class CacheManager:
         self.engine.feed(tokens[-w:], segment=segment)
         self.read_question_certificate(w)
 
-    def _question_certs(self, rows: int) -> _TurnCerts:
-        """The last feed's last ``rows`` rows as the question's certificate, with the sample it rests on."""
+    def _question_certs(self, rows: int, reading: patched.Importance | None = None) -> _TurnCerts:
+        """The last feed's last ``rows`` rows as the question's certificate, with the sample it rests on;
+        ``reading``: that feed's attention, when already read from the graph."""
         cache = self.engine.cache
         sampled = np.asarray(cache.logpi, dtype=np.float64) < 0
         # A variance estimate needs at least two sampled units (survey sampling's rule for a stratum): with
@@ -342,7 +338,7 @@ class CacheManager:
         pages = np.asarray(cache.positions, dtype=np.int64)[sampled] // self.config.page_size
         units = np.unique(np.stack([segs, pages]), axis=1).shape[1] if len(pages) else 0
         evicted = len(cache) < self.engine.next_pos
-        share = _evicted_share(patched.get_importance(self.engine.ctx.handle),
+        share = _evicted_share(reading if reading is not None else patched.get_importance(self.engine.ctx.handle),
                                np.asarray(cache.positions, dtype=np.int64), np.asarray(cache.logpi, dtype=np.float64))
         return _TurnCerts(question=self._read_relative()[-rows:], sampled_cells=int(np.count_nonzero(sampled)),
                           uncertified=self.policy.sampled and evicted and units < 2, evicted_share=share)

@@ -436,7 +436,7 @@ class ChatSession:
                                "recent messages that fit", "warning"))
         saved = self._checkpoint() if cancel is not None else None
         try:
-            self._read_history(chosen, cancel=cancel, on_event=on_event, keep_copy=True)
+            self._read_history(chosen, cancel=cancel, on_event=on_event, keep_copy=True, kept=kept)
         except InterruptedError:
             assert saved is not None
             self._rollback(saved)
@@ -468,12 +468,13 @@ class ChatSession:
         return head + tail, True
 
     def _read_history(self, chosen: list, cancel: threading.Event | None = None,
-                      on_event: EventSink = _ignore, keep_copy: bool = False) -> int:
+                      on_event: EventSink = _ignore, keep_copy: bool = False, kept: int | None = None) -> int:
         """Clear the cache and prefill ``chosen``'s exact token ids; returns tokens fed. The messages the
         previous re-read's copy holds are restored from it instead. ``Rereading`` events report the progress;
         ``cancel`` stops it between batches (``InterruptedError``, cache part-filled). ``keep_copy``: keep the
-        result as the next re-read's copy (config ``reread_copy``)."""
-        kept = self._copy_covers(chosen)
+        result as the next re-read's copy (config ``reread_copy``); ``kept``: ``_copy_covers(chosen)``, when the
+        caller already asked."""
+        kept = self._copy_covers(chosen) if kept is None else kept
         self.engine.reset()
         self.memory.reset_cache_state()
         if kept:
