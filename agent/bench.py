@@ -29,7 +29,7 @@ import numpy as np
 from agent import models
 from agent.config import EVICT_AT, Config
 from agent.engine import Engine, EngineSettings
-from native import llama, patched, poisson
+from native import llama, poisson
 
 
 def _history_tokens(model: llama.Model, n: int) -> list[int]:
@@ -100,12 +100,12 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
 
     # 1. long history: full vs poisson-after-compaction, same engine, same prefill.
     eng = Engine(EngineSettings(model_path=path, n_ctx=history + 512, n_batch=512, threads=threads))
-    patched.set_attn_certificate(eng.ctx.handle, True, 32)
+    eng.set_readout(True, 32)
     toks = _history_tokens(eng.model, history)
     say(f"prefilling {history} tokens of {model_name} ({threads} threads)")
     out["prefill_ms_history"] = eng.feed(toks, segment=0)
-    importance = patched.get_importance(eng.ctx.handle).per_position(eng.cache.positions)
-    patched.set_attn_certificate(eng.ctx.handle, False, 1)
+    importance = eng.read_importance().per_position(eng.cache.positions)
+    eng.set_readout(False, 32)
     say("decode with the full cache")
     _record_decode(out, "full", eng, steps)
     positions = np.asarray(eng.cache.positions)
@@ -116,21 +116,11 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     plan = poisson.plan_eviction(importance, protected, float(budget), method="poisson", page_size=8,
                                  top_share=0.5, seed=0, round=0, positions=positions)
     out["design_ms_history"] = (time.perf_counter() - t) * 1000.0
-    keep = np.asarray(plan.keep, dtype=bool)
     t = time.perf_counter()
-    starts = positions[~keep]
-    breaks = np.flatnonzero(np.diff(starts) != 1)
-    for p0, p1 in zip(np.concatenate(([starts[0]], starts[breaks + 1])),
-                      np.concatenate((starts[breaks], [starts[-1]])) + 1):
-        eng.ctx.seq_rm(0, int(p0), int(p1))
-    out["seq_rm_ms"] = (time.perf_counter() - t) * 1000.0
-    eng.cache.keep(keep)
-    patched.set_bias_pos(eng.ctx.memory, 0, positions[keep].astype(np.int32), plan.bias[keep])
-    t = time.perf_counter()
-    extent = patched.compact(eng.ctx.handle, 0)
-    out["compact_ms"] = (time.perf_counter() - t) * 1000.0
+    # removal of the evicted runs, the survivors' biases and the compaction, as a turn's eviction does them
+    eng.evict(np.asarray(plan.keep, dtype=bool), plan.cum_logpi)
+    out["evict_ms"] = (time.perf_counter() - t) * 1000.0
     out["live_cells_after"] = len(eng.cache)
-    out["extent_after"] = extent
     say(f"decode after evicting to {len(eng.cache)} cells and compacting")
     _record_decode(out, "poisson", eng, steps)
     eng.close()
@@ -144,7 +134,7 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     # 3. certificate cost at the same live cells.
     rates = {}
     for on in (False, True, False, True):
-        patched.set_attn_certificate(fresh.ctx.handle, on, 1)
+        fresh.set_readout(on, 1)
         rates.setdefault(on, []).append(_decode_rate(fresh, steps))
     off, on_ = max(rates[False]), max(rates[True])
     out["decode_tok_s_cert_off"] = off
@@ -166,6 +156,7 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
     about what the previous turn added, as in a long chat). ``evict_at`` chooses when turns evict
     (config ``evict_at``); ``gated`` adds one turn whose gate is forced to fire."""
     from agent import events as ev  # noqa: PLC0415
+    from agent.replay import drive  # noqa: PLC0415
     from agent.session import ChatSession  # noqa: PLC0415
     from memory_store.store import Store  # noqa: PLC0415
 
@@ -181,7 +172,7 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
         session = ChatSession(cfg.replace(policy="full"), Store(Path(tmp) / "bench.db"), eng, model_name)
         filler = eng.model.detokenize(_history_tokens(eng.model, 400))
         while eng.next_pos < history:
-            session.send(filler, forced_answer="I see.")
+            drive.forced(session, filler, "I see.")
         session.reconfigure(policy="poisson")
 
         def timed(text: str) -> tuple[ev.TurnResult, float]:
@@ -253,8 +244,7 @@ def render(out: dict[str, Any]) -> str:
         f"decode tok/s, poisson after compaction          : {f('decode_tok_s_poisson')}{runs('poisson')}"
         f"   (×{out['decode_tok_s_poisson'] / out['decode_tok_s_full']:.2f} vs full)",
         f"decode tok/s, fresh context at the budget       : {f('decode_tok_s_fresh_budget')}{runs('fresh_budget')}",
-        f"compaction ms / seq_rm ms / design ms           : {f('compact_ms')} / {f('seq_rm_ms')} / "
-        f"{f('design_ms_history', '{:.2f}')}",
+        f"evict ms (remove, bias, compact) / design ms    : {f('evict_ms')} / {f('design_ms_history', '{:.2f}')}",
         f"certificate off / on tok/s (overhead)           : {f('decode_tok_s_cert_off')} / "
         f"{f('decode_tok_s_cert_on')} ({f('certificate_overhead', '{:+.1%}')})",
         f"design core, one round at 32k cells             : {f('design_ms_32k', '{:.2f}')} ms",

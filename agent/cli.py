@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -11,9 +12,11 @@ import sys
 
 from agent import paths
 
-# Subcommand modules that add themselves with register(subparsers); optional ones may be
-# absent while their issue is open.
+# The agent's subcommand modules, each adding itself with register(subparsers). Layers above the
+# agent (the Textual UI's `chat`) contribute theirs through the "certchat.commands" entry points, so
+# this module never imports them.
 _PLUGINS = ("agent.cli_log", "agent.cli_chat", "agent.bench", "agent.cli_replay")
+ENTRY_POINTS = "certchat.commands"
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -99,13 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_doctor)
 
     for module_name in _PLUGINS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name != module_name:
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(module_name).register(sub)
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        entry.load()(sub)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""`certchat chat | ask | repl`: the conversational commands and their common flags."""
+"""`certchat ask | repl`: the line-mode conversational commands, and the flags every chat command shares
+(`certchat chat`, the Textual UI, is registered by ``tui.cli``)."""
 
 from __future__ import annotations
 
@@ -37,16 +38,13 @@ def config_from_args(args: argparse.Namespace) -> config_mod.Config:
 
 def open_session(cfg: config_mod.Config, db: Path | None, conversation_id: int | None) -> Any:
     """Load the model and the log, and bind them into a ChatSession."""
-    from agent.engine import Engine, EngineSettings  # noqa: PLC0415 — loads llama.cpp
-    from agent.session import ChatSession  # noqa: PLC0415
+    from agent.session import ChatSession  # noqa: PLC0415 — loads llama.cpp
     from memory_store.store import Store  # noqa: PLC0415
 
     model_path = models.resolve(cfg.model)
     store = Store(db or paths.db_path())
-    engine = Engine(EngineSettings(model_path=model_path, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, threads=cfg.threads,
-                                   gpu_layers=cfg.gpu_layers))
-    name = cfg.model if cfg.model in models.REGISTRY else model_path.name
-    return ChatSession(cfg, store, engine, name, conversation_id=conversation_id)
+    return ChatSession.start(cfg, store, model_path, models.display_name(cfg.model, model_path),
+                             conversation_id=conversation_id)
 
 
 def _print_event(event: ev.Event) -> None:
@@ -145,21 +143,7 @@ def _send_interruptibly(session: Any, line: str) -> Any:
     return box["result"]
 
 
-def _cmd_chat(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    try:
-        from tui import app  # noqa: PLC0415
-    except ImportError:
-        return _cmd_repl(args)
-    return app.run(cfg, conversation_id=args.conversation, db=args.db)
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="open the chat (Textual UI)")
-    add_common_flags(p)
-    p.add_argument("--conversation", type=int, help="continue a logged conversation")
-    p.set_defaults(func=_guard(_cmd_chat))
-
     p = sub.add_parser("ask", help="run one turn and stream the answer to stdout")
     add_common_flags(p)
     group = p.add_mutually_exclusive_group()
@@ -167,15 +151,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--conversation", type=int, help="continue a logged conversation")
     p.add_argument("--json", action="store_true", help="end with one JSON object describing the turn")
     p.add_argument("text", nargs="*")
-    p.set_defaults(func=_guard(_cmd_ask))
+    p.set_defaults(func=guard(_cmd_ask))
 
     p = sub.add_parser("repl", help="plain line-mode chat, for pipes and terminals without a TUI")
     add_common_flags(p)
     p.add_argument("--conversation", type=int, help="continue a logged conversation")
-    p.set_defaults(func=_guard(_cmd_repl))
+    p.set_defaults(func=guard(_cmd_repl))
 
 
-def _guard(func: Any) -> Any:
+def guard(func: Any) -> Any:
     """Turn the known failure kinds into one-line errors instead of tracebacks."""
 
     def run(args: argparse.Namespace) -> int:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from agent import config as config_mod
-from agent import models, paths
+from agent import models, paths, policies
 
-DEFAULT_POLICIES = "full,window,topk,random,poisson,poisson+gate"
+DEFAULT_POLICIES = ",".join(policies.REPLAY_NAMES)
 
 
 def _default_out(kind: str) -> Path:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from agent import paths
+from agent import paths, policies
 
-POLICIES = ("full", "window", "topk", "random", "poisson")
+POLICIES = policies.NAMES
 EVICT_AT = ("question", "turn-end")
 DEFAULT_EVICT_AT = "turn-end"
 
@@ -39,7 +39,7 @@ class Config:
     gpu_layers: int = 0
     """Layers offloaded to the GPU (needs a CUDA build; 0 = CPU only)."""
     policy: str = "poisson"
-    """Eviction policy: full, window, topk, random or poisson."""
+    """Eviction policy: full, window, topk, random or poisson (agent/policies.py)."""
     budget: str = "10%"
     """KV budget: a token count ("1024") or a share of the history ("10%")."""
     gate: str = "auto"
@@ -79,7 +79,7 @@ class Config:
     cache itself — cheaper turns, eviction blind to the next question) or "question" (after the user's message
     is prefilled but for its last cert_window tokens, so its attention decides what stays; those tokens are then
     prefilled on the evicted cache and certify it — one more prefill batch per turn). docs/results/NOTES.md
-    ("Which timing by default", fifth session) has the measurements that chose the default."""
+    ("Which timing by default") has the measurements that chose the default."""
     question_window: int = 32
     """Last prompt tokens whose attention scores the cache for eviction (SnapKV's observation window)."""
     cert_window: int = 8

@@ -1,10 +1,11 @@
-"""The inference engine: one model, one context, one sequence; prefill, sample, stream.
+"""The inference engine: one model, one context, one sequence; prefill, sample, stream, evict.
 
 Drives llama.cpp's low-level API through ``native.llama`` (the high-level ``Llama``
-class assumes contiguous positions, which eviction breaks). The engine mirrors what the
-KV cache holds — each live position's token and the message it belongs to — so that
-policies can choose what to evict and the gate can tell what is missing. It knows
-nothing of SQLite or the UI.
+class assumes contiguous positions, which eviction breaks). The engine is the one owner of
+the KV cache and of its mirror — each live position's token, the message it belongs to and
+its cumulative log inclusion probability: only the engine adds, removes, biases and compacts
+cells (:meth:`Engine.evict` applies a keep set in one call), so policies and the gate read the
+mirror and never write it. It knows nothing of SQLite or the UI.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from native import llama
+from native import llama, patched
+
+if TYPE_CHECKING:
+    from agent.config import Config
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,12 @@ class EngineSettings:
     n_batch: int = 512
     threads: int = 2
     gpu_layers: int = 0
+
+    @classmethod
+    def from_config(cls, config: "Config", model_path: Path, n_ctx: int | None = None) -> "EngineSettings":
+        """The settings a configuration asks for (``n_ctx`` overrides the configured context size)."""
+        return cls(model_path=model_path, n_ctx=config.n_ctx if n_ctx is None else n_ctx, n_batch=config.n_batch,
+                   threads=config.threads, gpu_layers=config.gpu_layers)
 
 
 @dataclass
@@ -118,6 +128,8 @@ class Engine:
         self.batch = llama.Batch(settings.n_batch)
         self.cache = CacheMirror()
         self.next_pos = 0
+        self.readout: tuple[bool, int] = (False, 0)
+        """(on, window) of the in-graph attention readout (certificate + importance) the context computes."""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def close(self) -> None:
@@ -140,10 +152,60 @@ class Engine:
                               list(self.cache.segments), list(self.cache.logpi), self.next_pos)
 
     def restore(self, snap: "EngineSnapshot") -> None:
-        """Put the cache back; state files carry no biases, so the caller re-applies them."""
+        """Put the cache back as it was, biases included (state files carry none)."""
         self.ctx.set_seq_state(snap.state, self.SEQ)
         self.cache = CacheMirror(list(snap.positions), list(snap.tokens), list(snap.segments), list(snap.logpi))
         self.next_pos = snap.next_pos
+        self._write_biases()
+
+    def evict(self, keep: np.ndarray, cum_logpi: np.ndarray | None = None) -> None:
+        """Keep only the live cells where ``keep`` is True (mirror order) and compact the rest away; with
+        ``cum_logpi`` (one value per live cell), the survivors' cumulative log π, written as their −log π
+        logit bias. Arguments are checked before anything changes, so the call does all of it or nothing."""
+        keep = np.asarray(keep, dtype=bool)
+        n = len(self.cache)
+        if keep.shape != (n,):
+            raise ValueError(f"keep mask of shape {keep.shape} for {n} live cells")
+        if cum_logpi is not None:
+            cum_logpi = np.asarray(cum_logpi, dtype=np.float64)
+            kept = cum_logpi[keep] if cum_logpi.shape == (n,) else cum_logpi
+            if cum_logpi.shape != (n,) or not np.isfinite(kept).all() or (kept > 1e-9).any():
+                raise ValueError(f"cum_logpi must hold {n} values, finite and ≤ 0 where kept")
+        if n and not keep[-1]:
+            raise ValueError("the newest cell cannot be evicted: the next batch continues from its position")
+        positions = np.asarray(self.cache.positions, dtype=np.int64)
+        for p0, p1 in _runs(positions[~keep]):
+            if not self.ctx.seq_rm(self.SEQ, p0, p1):
+                raise llama.LlamaError(f"could not evict positions [{p0}, {p1})")
+        self.cache.keep(keep)
+        if cum_logpi is not None:
+            self.cache.logpi = [float(x) for x in cum_logpi[keep]]
+        self._write_biases()
+        self.ctx.compact(self.SEQ)
+
+    def _write_biases(self) -> None:
+        if len(self.cache):
+            bias = (-np.asarray(self.cache.logpi, dtype=np.float64)).astype(np.float32)
+            self.ctx.set_bias(self.SEQ, np.asarray(self.cache.positions, dtype=np.int32), bias)
+
+    # -- the attention readout -------------------------------------------------------------
+    def set_readout(self, on: bool, window: int) -> None:
+        """Have the graph compute the certificate and the importance over each ubatch's last ``window`` rows
+        (or stop); a no-op when nothing changes, since every change rebuilds the graph reservation."""
+        if (on, window) != self.readout:
+            self.ctx.set_attn_readout(on, window)
+            self.readout = (on, window)
+
+    @property
+    def reading(self) -> bool:
+        """Whether the last ubatch computed the readout."""
+        return self.readout[0]
+
+    def read_certificate(self) -> patched.Certificate:
+        return self.ctx.attn_certificate()
+
+    def read_importance(self) -> patched.Importance:
+        return self.ctx.attn_importance()
 
     def truncate(self, pos: int) -> None:
         """Forget every position ≥ ``pos`` (the newest tokens), so decoding resumes at ``pos``."""
@@ -243,6 +305,16 @@ class Engine:
                 on_text(tail)
         return Generation(tokens=tokens, text="".join(pieces), stop=stop,
                           decode_ms=(time.perf_counter() - start) * 1000.0, logprobs=logprobs)
+
+
+def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted positions → [p0, p1) runs, so eviction costs one seq_rm per run."""
+    if len(positions) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1)
+    starts = np.concatenate(([positions[0]], positions[breaks + 1]))
+    ends = np.concatenate((positions[breaks], [positions[-1]])) + 1
+    return list(zip(starts.tolist(), ends.tolist()))
 
 
 def _log_softmax_at(logits: np.ndarray, index: int) -> float:

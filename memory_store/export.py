@@ -16,8 +16,9 @@ import json
 from pathlib import Path
 from typing import IO, Any
 
+from memory_store import jsonl
 from memory_store.errors import ImportFormatError
-from memory_store.records import ROLES, STATUSES, Conversation, Message
+from memory_store.records import STATUSES, Conversation, Message
 from memory_store.store import Store
 
 # Replay keys kept in a message's meta and written back at top level.
@@ -79,17 +80,10 @@ def _fail(path: Path, lineno: int, reason: str) -> ImportFormatError:
 
 def _parse_line(path: Path, lineno: int, raw: str) -> dict[str, Any]:
     try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise _fail(path, lineno, f"not valid JSON ({error.msg} at column {error.colno})") from None
-    if not isinstance(data, dict):
-        raise _fail(path, lineno, f"expected a JSON object, got {type(data).__name__}")
-    role = data.get("role")
-    if role not in ROLES:
-        raise _fail(path, lineno, f"\"role\" must be one of {', '.join(ROLES)}, got {role!r}")
-    content = data.get("content")
-    if not isinstance(content, str):
-        raise _fail(path, lineno, f"\"content\" must be a string, got {type(content).__name__}")
+        data = jsonl.message_line(raw)
+    except jsonl.LineError as err:
+        raise _fail(path, lineno, str(err)) from None
+    role, content = data["role"], data["content"]
     try:
         content.encode("utf-8")
     except UnicodeEncodeError:
@@ -148,11 +142,7 @@ def read_jsonl(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         raise ImportFormatError(f"{path}: not UTF-8 text (byte offset {error.start})") from None
     except OSError as error:
         raise ImportFormatError(f"{path}: cannot read ({error.strerror})") from None
-    # split("\n"), not splitlines(): export writes non-ASCII raw, and splitlines()
-    # would also break a line at a U+2028 or U+0085 inside a string.
-    for lineno, raw in enumerate(text.split("\n"), start=1):
-        if not raw.strip():
-            continue
+    for lineno, raw in jsonl.numbered_lines(text):
         item = _parse_line(path, lineno, raw)
         if not items:
             conv = json.loads(raw).get("conversation")

@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -62,6 +63,11 @@ LLAMA_FLAGS = (
     "-DCMAKE_BUILD_RPATH=$ORIGIN",
 )
 CUDA_FLAGS = ("-DGGML_CUDA=ON", "-DGGML_CUDA_FA=OFF", "-DGGML_CUDA_NCCL=OFF")
+# GGML_NATIVE compiles ggml's AMX kernels on CPUs that advertise AMX, but their tile instructions raise
+# SIGILL on worker threads where the kernel or a sandbox has not granted tile state (seen on a Sapphire
+# Rapids VM: the first matmul killed the process). AVX-512 stays; an explicit -mno-* wins over -march=native.
+X86_FLAGS = ("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+             "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
 
 
 class BuildError(RuntimeError):
@@ -118,7 +124,8 @@ class Progress:
             self._last_text = ""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The hex SHA-256 of a file, read in 1 MiB chunks (sdists, models and results all use this one)."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -205,7 +212,7 @@ def fetch_sdist(cache_dir: Path, progress: Progress) -> Path:
                 tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
                 raise BuildError(f"build step 'fetch sdist' failed: pip download {SDIST_REQUIREMENT}: {tail[0]}")
             got.replace(target)
-    digest = _sha256(target)
+    digest = sha256_file(target)
     if digest != SDIST_SHA256:
         target.unlink()
         raise BuildError(
@@ -254,6 +261,8 @@ def _core_sources() -> list[Path]:
 
 def llama_flags(opts: BuildOptions, cuda_arch: str | None) -> list[str]:
     flags = list(LLAMA_FLAGS)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags += list(X86_FLAGS)
     if opts.cuda:
         flags += list(CUDA_FLAGS) + [f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
     return flags

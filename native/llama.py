@@ -4,7 +4,9 @@ Layered like llama-cpp-python's ``_internals.py``: the ctypes declarations come 
 ``llama_cpp`` (bound to our patched library by ``native.runtime``); each wrapper owns one
 C object, frees it exactly once, keeps whatever it depends on alive (a Context holds its
 Model, so the model is freed last), and turns failure codes into Python exceptions with
-messages that say what went wrong and what to do.
+messages that say what went wrong and what to do. The functions of certchat's patch
+(``native.patched``: per-cell bias, compaction, the attention readout) are methods of the
+Context whose cache and graph they act on.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from native import runtime
+from native import patched, runtime
 
 log = logging.getLogger("certchat.llama")
 
@@ -375,6 +377,28 @@ class Context:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if int(self._lib.llama_state_seq_set_data(self.handle, buf, len(data), seq_id)) == 0:
             raise LlamaError("restoring the sequence state failed (no room in the KV cache?)")
+
+    # -- certchat's patch -------------------------------------------------------------
+    def set_bias(self, seq_id: int, positions: Sequence[int] | np.ndarray, biases: Sequence[float] | np.ndarray) -> int:
+        """Give the cells at ``positions`` these logit biases (−log π of a sampled survivor)."""
+        return patched.set_bias_pos(self._memory, seq_id, positions, biases)
+
+    def compact(self, seq_id: int = 0) -> int:
+        """Move the sequence's live cells to the lowest indices, so attention spans only them."""
+        return patched.compact(self.handle, seq_id)
+
+    def set_attn_readout(self, on: bool, n_window: int) -> None:
+        """Compute the certificate and the per-cell importance over the last ``n_window`` rows of each
+        ubatch, or stop (the graph drops them; the window is kept so resuming rebuilds nothing)."""
+        patched.set_attn_certificate(self.handle, on, n_window)
+
+    def attn_certificate(self) -> patched.Certificate:
+        """The last ubatch's certificate terms."""
+        return patched.get_certificate(self.handle)
+
+    def attn_importance(self) -> patched.Importance:
+        """The last ubatch's attention mass per cell."""
+        return patched.get_importance(self.handle)
 
 
 @dataclass(frozen=True)

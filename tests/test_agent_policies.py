@@ -10,6 +10,7 @@ import pytest
 from agent import events as ev, policies
 from agent.config import EVICT_AT, Config
 from agent.engine import Engine, EngineSettings
+from agent.replay import drive
 from agent.session import ChatSession
 from memory_store.store import Store
 
@@ -38,9 +39,9 @@ def test_policy_matrix(policy: str, evict_at: str, engine: Engine, tmp_path: Pat
         raise AssertionError("every token is read once: after the question, its held-back last tokens certify the "
                              "evicted cache; at turn end, the next prefill does")
     if policy not in ("full", "window"):  # the policies that certify
-        monkeypatch.setattr(s.memory, "requestion", no_reread)
+        monkeypatch.setattr(s, "_requestion", no_reread)
     for i, text in enumerate(FACTS + FILLERS):
-        r = s.send(text, forced_answer="Noted." if i < len(FACTS) else None)
+        r = drive.forced(s, text, "Noted.") if i < len(FACTS) else s.send(text)
         positions = np.asarray(engine.cache.positions)
         assert np.all(np.diff(positions) > 0), "live positions must stay strictly increasing"
         assert engine.ctx.seq_pos_max(0) == positions[-1]
@@ -124,7 +125,7 @@ def test_answer_certificates_only_when_asked(answer_certificate: bool, engine: E
                  gate="off", page_size=4, seed=3, answer_certificate=answer_certificate)
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in FACTS + FILLERS[:3]:
-        s.send(text, forced_answer="Noted.")
+        drive.forced(s, text, "Noted.")
     r = s.send("What is my locker code?")
     keys = set(r.certificate_detail)
     assert any(k.startswith("question.") for k in keys)
@@ -199,7 +200,7 @@ def test_a_small_budget_still_samples_after_the_question(engine: Engine, tmp_pat
     cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="48", max_tokens=8, gate="off",
                  page_size=4, seed=5, evict_at="question")
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
-    results = [s.send(text, forced_answer="Noted.") for text in FACTS + FILLERS]
+    results = [drive.forced(s, text, "Noted.") for text in FACTS + FILLERS]
     evicted = [r for r in results if s.store.eviction_rounds(s.conversation_id)]
     assert evicted
     late = results[-4:]
@@ -218,7 +219,7 @@ def test_a_message_that_fills_the_budget_is_uncertified_and_gated(engine: Engine
                  page_size=4, evict_at="question")
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in FACTS:
-        s.send(text, forced_answer="Noted.")
+        drive.forced(s, text, "Noted.")
     seen: list[ev.Event] = []
     long = "Please list, one per line, every single fact I have told you so far in this chat, " * 3
     r = s.send(long, on_event=seen.append)
@@ -234,7 +235,7 @@ def test_a_message_that_fills_the_budget_is_uncertified_and_gated(engine: Engine
 def test_evicted_share_counts_the_attention_standing_in_for_evicted_cells() -> None:
     """Per layer: Σ mass·(1 − π) / Σ mass over the cache's cells; protected cells (π = 1) count 0, cells the
     reading saw that the cache no longer holds count nothing, and layers without attention are left out."""
-    from agent.memory import _evicted_share
+    from agent.gate import evicted_share as _evicted_share
     from native import patched
 
     positions = np.array([0, 1, 5, 9])
@@ -281,7 +282,7 @@ def test_a_gate_reread_restores_the_previous_reread_and_prefills_only_what_came_
     assert s.store.turns(s.conversation_id)[-1].extra["restored_tokens"] == with_copy[-1].restored_tokens
     # an independent probe's re-read leaves a copy that ends in the (discarded) probe: the messages before it
     # still serve the next firing, which prefills only its own message
-    s.send("What is my cat called?", independent=True)
+    drive.independent(s, "What is my cat called?")
     r = s.send("Where was I born?")
     kept = [len(m.tokens) for m in s.store.messages(s.conversation_id) if not m.meta.get("discarded")]
     assert r.restored_tokens == sum(kept[:-2]) and r.reprefill_tokens == kept[-2]

@@ -11,6 +11,7 @@ import pytest
 from agent import events as ev
 from agent.config import Config
 from agent.engine import Engine, EngineSettings
+from agent.replay import drive
 from agent.session import ChatSession, InputError
 from agent.template import ChatTemplate, TemplateError
 from memory_store.store import Store
@@ -118,10 +119,10 @@ def test_non_gguf_model_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_forced_answer_and_independent_probe(engine: Engine, tmp_path: Path) -> None:
     s = _session(engine, tmp_path)
-    r = s.send("My locker code is 4172.", forced_answer="Noted: your locker code is 4172.")
+    r = drive.forced(s, "My locker code is 4172.", "Noted: your locker code is 4172.")
     assert r.answer == "Noted: your locker code is 4172." and r.stop == "forced"
     before = (list(engine.cache.tokens), list(engine.cache.positions), engine.next_pos)
-    probe = s.send("What is my locker code?", independent=True)
+    probe = drive.independent(s, "What is my locker code?")
     assert probe.answer
     assert (engine.cache.tokens, engine.cache.positions, engine.next_pos) == before
     # The discarded probe is logged but never re-read into the cache.
@@ -189,7 +190,7 @@ def test_a_gated_reread_reports_progress_and_can_be_stopped(engine: Engine, tmp_
                     page_size=4)
     s = ChatSession(config, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in ("My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø."):
-        s.send(text, forced_answer="Noted.")
+        drive.forced(s, text, "Noted.")
     seen: list[ev.Event] = []
     r = s.send("What is my locker code?", on_event=seen.append)
     assert r.gate_fired

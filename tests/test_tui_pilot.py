@@ -26,7 +26,7 @@ from tui.app import CertchatApp
 from tui.screens.dialogs import ChoiceDialog, InputDialog
 from tui.screens.info import HelpScreen, LogsScreen
 from tui.screens.setup import SetupScreen
-from tui.testing import screen_text, type_nowait, wait_for
+from tui.testing import screen_text, store_reading, type_nowait, wait_for
 from tui.widgets.chat_log import PAGE, MessageView
 from tui.widgets.memory_panel import MemoryPanel
 from tui.widgets.status import StatusLine
@@ -70,7 +70,7 @@ def drive(app: CertchatApp, scenario: Callable[[Any], Awaitable[None]], size: tu
 
 
 def idle(app: CertchatApp) -> bool:
-    return app.backend is not None and app.backend.ready and app.busy is None
+    return app.backend is not None and app.backend.ready and app.busy is None and not store_reading(app)
 
 
 async def ready(pilot: Any, app: CertchatApp) -> None:
@@ -222,7 +222,7 @@ def test_switch_policy_from_dialog_and_palette(make_app: MakeApp, tmp_path: Path
         saved = cfg.load(tmp_path / "config.toml")
         assert (saved.budget, saved.gate) == ("25%", "0.4")
         assert app.backend is not None and app.backend.session is not None
-        assert app.backend.session.memory.threshold() == 0.4
+        assert app.backend.session.gate.threshold() == 0.4
         assert "τ 0.4" in screen_text(app)
 
     drive(app, scenario)
@@ -305,15 +305,15 @@ def test_conversations_new_rename_search_open_delete(make_app: MakeApp) -> None:
         await pilot.press("f2")
         await wait_for(pilot, lambda: isinstance(app.screen, InputDialog), what="rename dialog")
         await pilot.press("ctrl+u", *"[b]Second[/b] chat", "enter")
-        await pilot.pause(0.2)
+        # the log is written and read by a store worker, off the UI thread
+        await wait_for(pilot, lambda: "[b]Second[/b] chat" in screen_text(app), what="renamed")
         assert store.get_conversation(second).title == "[b]Second[/b] chat"
         assert "[b]Second[/b] chat" in screen_text(app), "titles are shown literally, not as markup"
         # Search finds the first chat by a word in its messages; Enter opens it.
         await pilot.press("ctrl+f")
         await pilot.press(*"zebracorn")
-        await pilot.pause(0.3)
-        rows = app.chat_screen.sidebar.query_one("#chats").option_count  # type: ignore[attr-defined]
-        assert rows == 1
+        await wait_for(pilot, lambda: app.chat_screen.sidebar.query_one("#chats").option_count == 1,  # type: ignore[attr-defined]
+                       what="one search hit")
         await pilot.press("enter")  # into the list
         await pilot.press("enter")  # open the highlighted chat
         await wait_for(pilot, lambda: idle(app) and app.conversation_id == first, what="reopened")

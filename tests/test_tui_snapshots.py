@@ -19,7 +19,7 @@ from memory_store.records import Turn
 from memory_store.store import Store
 from tui.app import CertchatApp
 from tui.screens.setup import SetupScreen
-from tui.testing import wait_for
+from tui.testing import store_reading, wait_for
 
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((140, 40), id="140x40")]
 
@@ -61,8 +61,8 @@ def _app(tmp_path: Path, small_model: Path, conversation_id: int | None) -> Cert
 
 async def _ready(pilot: Any) -> None:
     app = pilot.app
-    await wait_for(pilot, lambda: app.backend is not None and app.backend.ready and app.busy is None,
-                   what="model loaded")
+    await wait_for(pilot, lambda: app.backend is not None and app.backend.ready and app.busy is None
+                   and not store_reading(app), what="model loaded")
     _still_cursors(app)
     await pilot.pause(0.5)
 

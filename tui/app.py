@@ -72,6 +72,14 @@ class WorkDone(Message):
 
 
 @dataclass
+class ConversationsRead(Message):
+    """The sidebar's rows, read from the log by a store worker (never on the UI thread)."""
+
+    query: str
+    sidebar: be.Sidebar
+
+
+@dataclass
 class WorkFailed(Message):
     what: str
     text: str
@@ -82,8 +90,6 @@ def describe(err: BaseException) -> tuple[str, str]:
     """(one-line message, severity) for an error that ended some work."""
     if isinstance(err, InterruptedError):
         return "cancelled before the answer started", "information"
-    if isinstance(err, NotImplementedError):
-        return f"{err} — switch policy (F5 or Ctrl+P); 'full' works now", "error"
     known = (ValueError, LookupError, StoreError, models.ModelError, OSError, RuntimeError)
     if isinstance(err, known) and str(err):
         return str(err).splitlines()[0], "error"
@@ -113,6 +119,8 @@ class CertchatApp(App[int]):
         self.busy: str | None = None
         self.cancel_event: threading.Event | None = None
         self.keymap_overrides: dict[str, str] = {}
+        self.titles: dict[int, str] = {}
+        """Conversation titles as the sidebar last read them."""
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Chat commands act (and show in the footer) only while the chat screen is on top."""
@@ -176,7 +184,7 @@ class CertchatApp(App[int]):
         self._load(path)
 
     def _model_name(self, path: Path) -> str:
-        return self.config.model if self.config.model in models.REGISTRY else path.stem
+        return models.display_name(self.config.model, path)
 
     def _load(self, path: Path) -> None:
         assert self.store is not None
@@ -299,15 +307,28 @@ class CertchatApp(App[int]):
         except LookupError:
             return
         query = screen.sidebar.query_text.strip()
+        store = self.store
+
+        def read() -> None:
+            try:
+                self.post_message(ConversationsRead(query, be.read_sidebar(store, query)))
+            except (StoreError, ValueError) as err:
+                self.call_from_thread(self.notify, f"search: {err}", severity="warning")
+
+        self.run_worker(read, thread=True, group="store", exit_on_error=False)
+
+    @on(ConversationsRead)
+    def _conversations_read(self, message: ConversationsRead) -> None:
         try:
-            conversations = self.store.list_conversations()
-            hits = self.store.search(query) if query else None
-        except (StoreError, ValueError) as err:
-            self.notify(f"search: {err}", severity="warning")
+            screen = self.chat_screen
+        except LookupError:
             return
-        screen.sidebar.show(entries(conversations, hits, query), self.conversation_id)
-        title = next((c.title for c in conversations if c.id == self.conversation_id), "")
-        screen.set_title(title)
+        if message.query != screen.sidebar.query_text.strip():
+            return  # a newer search is on its way
+        side = message.sidebar
+        self.titles = {c.id: c.title for c in side.conversations}
+        screen.sidebar.show(entries(side.conversations, side.hits, message.query), self.conversation_id)
+        screen.set_title(self.titles.get(self.conversation_id, "") if self.conversation_id is not None else "")
 
     @on(ConversationList.SearchChanged)
     def _search_changed(self, _: ConversationList.SearchChanged) -> None:
@@ -367,13 +388,20 @@ class CertchatApp(App[int]):
         if self.store is None or self.conversation_id is None:
             return
         cid = self.conversation_id
-        current = self.store.get_conversation(cid).title
+        current = self.titles.get(cid, "")
+        store = self.store
+
+        def rename(title: str) -> None:
+            try:
+                store.rename_conversation(cid, title)
+            except (StoreError, ValueError) as err:
+                self.call_from_thread(self.notify, f"rename: {err}", severity="warning")
+            self.call_from_thread(self.refresh_conversations)
 
         def done(title: str | None) -> None:
-            if title is None or self.store is None:
-                return
-            self.store.rename_conversation(cid, title.strip() or current)
-            self.refresh_conversations()
+            if title is not None:
+                self.run_worker(lambda: rename(title.strip() or current), thread=True, group="store",
+                                exit_on_error=False)
 
         self.push_screen(InputDialog("Rename chat", current,
                                      validate=lambda t: None if t.strip() else "a title cannot be empty"), done)
@@ -385,7 +413,7 @@ class CertchatApp(App[int]):
         target = self.chat_screen.sidebar.highlighted_id() if self.focused_in_sidebar() else self.conversation_id
         if target is None:
             return
-        title = self.store.get_conversation(target).title
+        title = self.titles.get(target, f"chat {target}")
 
         def done(yes: bool | None) -> None:
             if yes:

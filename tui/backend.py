@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 from agent import events as ev
 from agent.config import Config
-from agent.engine import Engine, EngineSettings
 from agent.session import ChatSession
 from memory_store import export
 from memory_store.records import Message, Turn
@@ -55,6 +54,19 @@ class MemoryChanged:
 
 
 @dataclass(frozen=True)
+class Sidebar:
+    """The conversations the sidebar lists, and the search hits for its query (None: no query)."""
+
+    conversations: list[Any]
+    hits: list[Any] | None
+
+
+def read_sidebar(store: Store, query: str) -> Sidebar:
+    """Read the sidebar's rows from the log (blocks: call it from a worker thread)."""
+    return Sidebar(store.list_conversations(), store.search(query) if query else None)
+
+
+@dataclass(frozen=True)
 class ReplayFinished:
     conversation_id: int
     turns: int
@@ -63,13 +75,12 @@ class ReplayFinished:
 
 @dataclass
 class Backend:
-    """The store, the engine and the session of one running app."""
+    """The store and the session (which owns the model) of one running app."""
 
     config: Config
     store: Store
     model_path: Path
     model_name: str
-    engine: Engine | None = None
     session: ChatSession | None = None
     created: set[int] = field(default_factory=set)
     """Conversations this app created: dropped again if left without a user message."""
@@ -79,16 +90,8 @@ class Backend:
     def load(self, conversation_id: int | None, emit: Emit) -> None:
         """Load the model (seconds) and open or start a conversation."""
         with self.lock:
-            c = self.config
-            self.engine = Engine(EngineSettings(self.model_path, n_ctx=c.n_ctx, n_batch=c.n_batch,
-                                                threads=c.threads, gpu_layers=c.gpu_layers))
-            try:
-                self.session = ChatSession(self.config, self.store, self.engine, self.model_name,
-                                           conversation_id=conversation_id)
-            except BaseException:
-                self.engine.close()
-                self.engine = None
-                raise
+            self.session = ChatSession.start(self.config, self.store, self.model_path, self.model_name,
+                                             conversation_id=conversation_id)
             if conversation_id is None:
                 self.created.add(self.session.conversation_id)
             emit(self._shown())
@@ -100,9 +103,6 @@ class Backend:
                 self._drop_if_empty(self.session.conversation_id)
                 self.session.close()
                 self.session = None
-            if self.engine is not None:
-                self.engine.close()
-                self.engine = None
             self.store.close()
 
     @property

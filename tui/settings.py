@@ -10,15 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agent import config as cfg
+from agent import config as cfg, policies
 
-POLICY_HELP = {
-    "full": "keep every token (no eviction, no certificate)",
-    "window": "keep sinks and the most recent tokens",
-    "topk": "keep the most-attended tokens (deterministic)",
-    "random": "keep a uniform random sample",
-    "poisson": "Poisson-sampled by importance, with an error certificate",
-}
+POLICY_HELP = {name: policy.help for name, policy in policies.POLICIES.items()}
 
 
 def persist(path: Path | None, **changes: Any) -> str | None:

@@ -32,6 +32,11 @@ async def wait_for(pilot: Pilot[object], condition: Callable[[], bool], timeout:
     return time.perf_counter() - start
 
 
+def store_reading(app: App[object]) -> bool:
+    """Whether a store worker (the sidebar's reads, a rename) is still running."""
+    return any(w.group == "store" and not w.is_finished for w in app.workers)
+
+
 def type_nowait(app: App[object], text: str) -> None:
     """Queue key presses for ``text`` as a terminal would, without waiting for the app to idle.
 

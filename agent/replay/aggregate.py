@@ -14,6 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
+from agent import policies
+
 FORMAT = "certchat-replay-results"
 VERSION = 1
 FAR = 25
@@ -103,7 +105,7 @@ def aggregate(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-_ORDER = ("full", "window", "topk", "random", "poisson", "poisson+gate")
+_ORDER = policies.REPLAY_NAMES
 
 
 def _policy_sort(policy: str) -> tuple[int, str]:

@@ -7,7 +7,6 @@ measured (and a shard's file can be merged as soon as it exists).
 from __future__ import annotations
 
 import datetime
-import hashlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,13 +52,7 @@ def results_path(settings: Settings) -> Path:
 def _model_identity(name_or_path: str) -> tuple[Path, str, str]:
     """(path, display name, sha256) of the model a batch uses."""
     path = models.resolve(name_or_path)
-    if name_or_path in models.REGISTRY:
-        return path, name_or_path, models.REGISTRY[name_or_path].sha256
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return path, path.name, digest.hexdigest()
+    return path, models.display_name(name_or_path, path), models.sha256_of(name_or_path, path)
 
 
 def run(scripts: list[Script], settings: Settings, base: Config,
@@ -116,8 +109,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
     settings.out.mkdir(parents=True, exist_ok=True)
     out_path = results_path(settings)
     runs: list[dict[str, Any]] = []
-    engine = Engine(EngineSettings(model_path=model_path, n_ctx=n_ctx, n_batch=cfg.n_batch, threads=cfg.threads,
-                                   gpu_layers=cfg.gpu_layers))
+    engine = Engine(EngineSettings.from_config(cfg, model_path, n_ctx=n_ctx))
     store = ReplayStore(default_store_path(settings.out, settings.shard))
     total = sum(len(by_name[j.script].steps) for j in jobs)
     try:

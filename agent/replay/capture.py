@@ -203,7 +203,7 @@ def coverage_cells(layers: dict[int, LayerCapture], n_live: int, protect_from: i
     before = np.flatnonzero(positions < protect_from)
     if cfg.recent and len(before):
         protected[before[-cfg.recent:]] = True
-    scores = policies.get("poisson").score(policies.CacheView(positions, segments[:n], importance))
+    scores = policies.PoissonImportance().score(policies.CacheView(positions, segments[:n], importance))
     unprotected = scores[~protected]
     floor = cfg.floor * float(unprotected.mean()) if unprotected.size else 0.0
     budget = max(int(round(budget_share * n)), cfg.sinks + cfg.recent)

@@ -11,7 +11,6 @@ so each policy's own answer is scored and then replaced by it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -201,14 +200,6 @@ def generate_replies(script: Script, send: Callable[[str], str]) -> list[str]:
     return [send(step.user) for step in script.steps]
 
 
-def model_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def fixture_report(script: Script) -> dict[str, Any]:
     """How the fixture's own (full-cache) probe replies score: the ceiling every policy is held to."""
     probes = script.probes
@@ -231,7 +222,7 @@ def generate_fixtures(seeds: tuple[int, ...], model: str = FIXTURE_MODEL, direct
     path = models.resolve(model)
     cfg = Config(model=model, policy="full", gate="off", temperature=0.0, max_tokens=max_tokens,
                  system_prompt=SYSTEM, n_ctx=4096).replace(threads=threads)
-    engine = Engine(EngineSettings(model_path=path, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, threads=cfg.threads))
+    engine = Engine(EngineSettings.from_config(cfg, path))
     written = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -243,7 +234,7 @@ def generate_fixtures(seeds: tuple[int, ...], model: str = FIXTURE_MODEL, direct
                     replies = generate_replies(script, lambda text: session.send(text).answer.strip())
                 finally:
                     session.close()
-                sha = models.REGISTRY[model].sha256 if model in models.REGISTRY else model_sha256(path)
+                sha = models.sha256_of(model, path)
                 name = model if model in models.REGISTRY else path.name
                 provenance = {"generator": "agent.replay.recall30", "seed": seed, "model": name,
                               "model_sha256": sha, "policy": "full", "temperature": 0.0,

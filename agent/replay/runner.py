@@ -3,11 +3,10 @@
 A *job* is (script, policy, budget, seed, protocol). The runner maps each script step to
 one session call and records what the session measured:
 
-- user + assistant line → ``send(user, forced_answer=assistant)`` (teacher-forced);
-- probe + assistant line → ``send(probe, history_answer=assistant)``: the answer is
-  generated and scored, then the script's text replaces it so every policy continues
-  from the same history;
-- independent message → ``send(user, independent=True)``;
+- user + assistant line → ``drive.forced`` (teacher-forced);
+- probe + assistant line → ``drive.replaced``: the answer is generated and scored, then the
+  script's text replaces it so every policy continues from the same history;
+- independent message → ``drive.independent``;
 - anything else → ``send(user)`` (the generated answer stays in the history).
 
 With ``generate_fillers`` a scripted (user + assistant) turn is answered like a probe —
@@ -33,14 +32,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agent import events as ev
+from agent import policies
 from agent.config import Config, parse_budget
 from agent.replay import scoring
 from agent.replay.aggregate import summarize
 from agent.replay.script import Script, Step
 
-POLICY_NAMES = ("full", "window", "topk", "random", "poisson", "poisson+gate")
+POLICY_NAMES = policies.REPLAY_NAMES
 PROTOCOLS = ("multi-round", "one-shot")
-GATED = "poisson+gate"
+GATED = policies.GATED
 
 
 class RunError(RuntimeError):
@@ -104,7 +104,8 @@ def parse_budgets(text: str) -> list[str]:
 
 def seed_dependent(policy: str, temperature: float) -> bool:
     """Whether seeds change a run: randomised designs, or any sampling temperature."""
-    return base_policy(policy) in ("random", "poisson", GATED) or temperature > 0
+    base = base_policy(policy)
+    return base == GATED or (base in policies.POLICIES and policies.POLICIES[base].sampled) or temperature > 0
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,11 @@ class Runner:
         return run
 
     # -- one step ----------------------------------------------------------------------
-    def _send(self, session: Any, step: Step, script: Script, **kwargs: Any) -> tuple[Any, _Watch]:
+    def _send(self, session: Any, step: Step, script: Script, mode: str = "send",
+              answer: str | None = None) -> tuple[Any, _Watch]:
+        """One step on the session: ``mode`` is send, forced, replaced or independent (see ``agent.replay.drive``);
+        ``answer``: the text a forced or replaced answer becomes (default: the script's)."""
+        from agent.replay import drive  # noqa: PLC0415 — loads llama.cpp
         from agent.session import InputError  # noqa: PLC0415
 
         watch = _Watch(peak_cells=self.engine.live_cells)
@@ -274,19 +279,28 @@ class Runner:
                                           "threshold": event.threshold, "tokens": event.reprefill_tokens})
 
         try:
-            result = session.send(step.user, on_event=sink, **kwargs)
+            text = answer if answer is not None else step.assistant or ""
+            if mode == "forced":
+                result = drive.forced(session, step.user, text, on_event=sink)
+            elif mode == "replaced":
+                result = drive.replaced(session, step.user, text, on_event=sink)
+            elif mode == "independent":
+                result = drive.independent(session, step.user, on_event=sink)
+            else:
+                result = session.send(step.user, on_event=sink)
         except InputError as err:
             raise RunError(f"{script.source or script.name}:{step.lineno}: {err}") from None
+        watch.peak_cells = max(watch.peak_cells, self.engine.live_cells)  # after a replaced answer
         return result, watch
 
     def _step(self, session: Any, step: Step, script: Script) -> dict[str, Any]:
         history = self.engine.next_pos
         if step.independent:
-            result, watch = self._send(session, step, script, independent=True)
+            result, watch = self._send(session, step, script, "independent")
         elif step.assistant is not None and (step.probe is not None or self.generate_fillers):
-            result, watch = self._send(session, step, script, history_answer=step.assistant)
+            result, watch = self._send(session, step, script, "replaced")
         elif step.assistant is not None:
-            result, watch = self._send(session, step, script, forced_answer=step.assistant)
+            result, watch = self._send(session, step, script, "forced")
         else:
             result, watch = self._send(session, step, script)
         return self._record(step, script, result, watch, history)
@@ -300,14 +314,14 @@ class Runner:
         history = self.engine.next_pos
         session.reconfigure(policy=cfg.policy, budget=cfg.budget, gate=cfg.gate, evict_at="question")
         try:
-            result, watch = self._send(session, step, script, independent=True)
+            result, watch = self._send(session, step, script, "independent")
         finally:
             session.reconfigure(policy="full", gate="off", budget=full_cfg.budget, evict_at=full_cfg.evict_at)
         record = self._record(step, script, result, watch, history)
         if not step.independent:
             # Re-enter the probe under the full cache with the script's answer (or the one
             # just generated), so the history stays what every policy sees.
-            self._send(session, step, script, forced_answer=step.assistant or result.answer)
+            self._send(session, step, script, "forced", answer=step.assistant or result.answer)
         return record
 
     def _record(self, step: Step, script: Script, result: ev.TurnResult, watch: _Watch,
@@ -321,9 +335,7 @@ class Runner:
             "forced": forced, "user_tokens": user_tokens, "history_tokens": history_before + user_tokens,
             "live_cells": result.live_cells, "budget_cells": result.budget_cells,
             "peak_cells": max(watch.peak_cells, result.live_cells), "evictions": watch.evictions,
-            # a gate re-prefill resets the cache manager's turn statistics: keep the value that fired
-            "certificate": result.certificate if result.certificate is not None or not watch.gate_events
-            else watch.gate_events[0]["value"],
+            "certificate": result.certificate,
             "certificate_detail": _plain(result.certificate_detail),
             "gate_threshold": result.gate_threshold, "gate_fired": result.gate_fired,
             "gate_events": watch.gate_events, "reprefill_tokens": result.reprefill_tokens,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-ROLES = ("system", "user", "assistant")
+from memory_store import jsonl
 
 
 class ScriptError(ValueError):
@@ -122,17 +122,10 @@ def parse(lines: Iterable[str], source: str = "<script>") -> tuple[str | None, l
         if not raw.strip():
             continue
         try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise _fail(source, lineno, f"not valid JSON ({err.msg} at column {err.colno})") from None
-        if not isinstance(data, dict):
-            raise _fail(source, lineno, f"expected a JSON object, got {type(data).__name__}")
-        role = data.get("role")
-        if role not in ROLES:
-            raise _fail(source, lineno, f"\"role\" must be one of {', '.join(ROLES)}, got {role!r}")
-        content = data.get("content")
-        if not isinstance(content, str):
-            raise _fail(source, lineno, f"\"content\" must be a string, got {type(content).__name__}")
+            data = jsonl.message_line(raw)
+        except jsonl.LineError as err:
+            raise _fail(source, lineno, str(err)) from None
+        role, content = data["role"], data["content"]
         seen += 1
         if role == "system":
             if seen != 1:

@@ -428,15 +428,8 @@ def run_study(name: str, scripts: list[Any], settings: Any, base: Any) -> dict[s
     from agent.replay import batch  # noqa: PLC0415
 
     if name == "coverage":
-        try:
-            from agent.replay import capture  # noqa: PLC0415
-        except ModuleNotFoundError as err:
-            if err.name != "agent.replay.capture":
-                raise
-            from agent.replay.runner import RunError  # noqa: PLC0415
+        from agent.replay import capture  # noqa: PLC0415
 
-            raise RunError("the coverage study needs per-(layer, head) certificate reads and the full-cache "
-                           "attention output from the patched library; not available in this build") from None
         result = capture.run_coverage(scripts, settings, base)
     else:
         needed = ["full", "topk", "random", "poisson"] if name == "attribution" else ["full", "random", "poisson"]

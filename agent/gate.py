@@ -1,0 +1,300 @@
+"""The gate, start to finish: the turn's certificates, the decision to re-read, and what a re-read reads.
+
+Each turn gets one :class:`TurnCertificates`: the question window's relative certificate
+(read on the cache that will answer), one per answer step, the sample they rest on, and the
+decision that fired, if any. A re-read of the history does not wipe it, so the turn reports
+the value that fired the gate. :class:`Gate` compares the configured turn statistic with τ
+(the calibrated default through ``agent.calibration``, or the configured threshold) and fails
+closed: a non-finite certificate, or history evicted with too few sampled pages to estimate
+the error (*uncertified*), fires it.
+
+The re-read planner says which logged messages a firing re-prefills (all of them, or the
+system prompt and the newest that fit) and how many of them the host copy of the previous
+re-read still holds token for token (config ``reread_copy``); the copy itself lives here too.
+The session carries out the plan on the engine; the log stays the source of truth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import numpy as np
+
+from agent import calibration, policies
+from agent.config import Config, parse_gate
+from native import patched, poisson
+
+if TYPE_CHECKING:
+    from agent.engine import Engine, EngineSnapshot
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    value: float | None
+    threshold: float | None
+    fire: bool
+    uncertified: bool = False
+    """Fired because too little of the evicted history was sampled to estimate the error, whatever the value."""
+
+
+@dataclass
+class TurnCertificates:
+    """What the gate measured during one turn (kept through a re-read of the history)."""
+
+    question: np.ndarray | None = None
+    """(rows, layers, heads) relative certificate over the question window."""
+    answer: list[np.ndarray] = field(default_factory=list)
+    """One (layers, heads) relative certificate per answer step."""
+    sampled_cells: int | None = None
+    """Cells with π < 1 when the question's certificate was read: 0 means the certificate is 0 because nothing
+    was sampled (everything kept was protected), not because nothing was lost."""
+    uncertified: bool = False
+    """History was evicted but fewer than two units (pages) of it survive as samples, so there is no variance
+    to estimate and the certificate cannot speak for what was dropped: the gate fires whatever the value."""
+    evicted_share: dict[str, float] = field(default_factory=dict)
+    """``question.evicted_share[_layer_max]``: see :func:`evicted_share`."""
+    fired: GateDecision | None = None
+    """The decision that re-read the history this turn (question or answer phase)."""
+
+    def statistics(self) -> dict[str, float]:
+        question = self.question if self.question is not None and self.question.size else None
+        answer = np.stack(self.answer) if self.answer else None
+        if question is None and answer is None:
+            return {}
+        return {**poisson.turn_statistics(question=question, answer=answer), **self.evicted_share}
+
+    def detail(self) -> dict[str, Any]:
+        detail: dict[str, Any] = dict(self.statistics())
+        if self.question is not None and self.question.size:
+            detail["per_layer"] = [float(x) for x in np.quantile(self.question, 0.95, axis=(0, 2))]
+        detail["answer_steps"] = len(self.answer)
+        if self.sampled_cells is not None:
+            detail["sampled_cells"] = self.sampled_cells
+        if self.uncertified:
+            detail["uncertified"] = 1
+        return detail
+
+
+def relative_certificate(cert: patched.Certificate) -> np.ndarray:
+    """(rows, layers, heads) relative certificate of a ubatch. Layers without attention (all NaN: recurrent or
+    shared-KV layers) are dropped; any other non-finite value is a breach and reads +inf, never 0."""
+    rel = np.transpose(cert.relative(), (2, 0, 1)).astype(np.float64)
+    rel = rel[:, ~np.isnan(rel).all(axis=(0, 2)), :]
+    return np.nan_to_num(rel, nan=np.inf, posinf=np.inf)
+
+
+def evicted_share(reading: patched.Importance, positions: np.ndarray, logpi: np.ndarray) -> dict[str, float]:
+    """The share of the question's attention that stands in for evicted cells, per layer (mean and max).
+
+    Under the −log π bias a sampled cell of inclusion probability π carries the attention of 1/π cells of
+    its stratum, of which only one is in the cache: a share 1 − π of its weight is the Horvitz–Thompson
+    estimate of attention paid to cells that are gone. Summed over the cells (protected ones have π = 1),
+    that is how much of the question's reading rests on imputed history — what the variance of the kept
+    cells cannot show when the question looks for something the sample missed."""
+    gone = 1.0 - np.exp(np.minimum(logpi, 0.0))
+    shares = []
+    for layer in range(reading.mass.shape[0]):
+        total = float(reading.mass[layer][reading.cell_pos[layer] >= 0].sum())
+        if total <= 0.0:
+            continue  # a layer without attention (e.g. recurrent or shared-KV layers)
+        one = patched.Importance(reading.mass[layer:layer + 1], reading.cell_pos[layer:layer + 1])
+        shares.append(float((one.per_position(positions) * gone).sum()) / total)
+    if not shares:
+        return {}
+    return {"question.evicted_share": float(np.mean(shares)),
+            "question.evicted_share_layer_max": float(np.max(shares))}
+
+
+class LoggedMessage(Protocol):
+    """What the planner reads of a logged message (``memory_store.records.Message``)."""
+
+    id: int
+    role: str
+    tokens: Any
+
+
+@dataclass(frozen=True)
+class ReadCopy:
+    """The cache as a gate's re-read left it: the logged messages it holds (id, exact tokens) from position 0."""
+
+    conversation_id: int
+    messages: tuple[tuple[int, tuple[int, ...]], ...]
+    snapshot: "EngineSnapshot"
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """What a re-read does: restore the copy's first ``restored`` messages, then prefill the rest."""
+
+    messages: list[Any]
+    """The logged messages the cache will hold, in order."""
+    truncated: bool
+    """The history did not fit: the system prompt and the newest messages that do."""
+    restored: int = 0
+    """How many of ``messages`` come from the host copy (0: none)."""
+    snapshot: "EngineSnapshot | None" = None
+    """The copy to restore, truncated to ``restored_tokens`` after restoring."""
+    restored_tokens: int = 0
+
+    @property
+    def to_prefill(self) -> list[Any]:
+        return self.messages[self.restored:]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(len(m.tokens) for m in self.to_prefill)
+
+
+def choose_messages(messages: Sequence[Any], room: int) -> tuple[list[Any], bool]:
+    """All of ``messages`` when their tokens fit in ``room`` cells; else the system prompt and the newest that
+    do (True: truncated), starting at a user turn for the template to hold."""
+    msgs = list(messages)
+    if sum(len(m.tokens) for m in msgs) <= room:
+        return msgs, False
+    head = [m for m in msgs[:1] if m.role == "system"]
+    budget = room - sum(len(m.tokens) for m in head)
+    tail: list[Any] = []
+    for m in reversed(msgs[len(head):]):
+        if len(m.tokens) > budget:
+            break
+        tail.insert(0, m)
+        budget -= len(m.tokens)
+    while tail and tail[0].role == "assistant":
+        tail.pop(0)
+    return head + tail, True
+
+
+class Gate:
+    """The gate of one session: threshold, statistic, the turn's certificates, and the re-read planner."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.turn = TurnCertificates()
+        self.copy: ReadCopy | None = None
+
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+
+    # -- threshold and statistic ------------------------------------------------------
+    @property
+    def statistic(self) -> str:
+        """The configured turn statistic, "auto" resolved to the calibrated one."""
+        stat = self.config.gate_stat
+        return calibration.default_statistic(self.config.evict_at) if stat == "auto" else stat
+
+    def threshold(self) -> float | None:
+        gate = parse_gate(self.config.gate)
+        if gate == "auto":
+            return calibration.default_tau(self.statistic, self.config.evict_at)
+        return gate if isinstance(gate, float) else None
+
+    def wants_answer_certificates(self) -> bool:
+        """Per-step certificates while answering: needed by an answer.* gate, or asked for (replays record
+        every statistic); otherwise paused, since each costs a V-sized product per layer."""
+        return self.config.answer_certificate or self.statistic.startswith("answer.")
+
+    def _breach(self, value: float | None, tau: float | None) -> bool:
+        return value is not None and tau is not None and (not math.isfinite(value) or value >= tau)
+
+    # -- the turn's certificates ---------------------------------------------------------
+    def begin_turn(self) -> TurnCertificates:
+        self.turn = TurnCertificates()
+        return self.turn
+
+    def read_question(self, engine: "Engine", rows: int, sampled_design: bool,
+                      reading: patched.Importance | None = None) -> None:
+        """The last feed's last ``rows`` rows are the question: their certificate, with the sample it rests on;
+        ``reading``: that feed's attention, when already read from the graph."""
+        if not engine.reading or rows <= 0:
+            return
+        cache = engine.cache
+        logpi = np.asarray(cache.logpi, dtype=np.float64)
+        positions = np.asarray(cache.positions, dtype=np.int64)
+        sampled = logpi < 0
+        # A variance estimate needs at least two sampled units (survey sampling's rule for a stratum): with
+        # fewer, V̂ is 0 or one term whatever was lost — e.g. a 10% budget of a 400-token history, whose tail
+        # expects less than one page. (Nothing evicted: nothing lost, and 0 is the right certificate.)
+        segs = np.asarray(cache.segments, dtype=np.int64)[sampled]
+        pages = positions[sampled] // self.config.page_size
+        units = np.unique(np.stack([segs, pages]), axis=1).shape[1] if len(pages) else 0
+        evicted = len(cache) < engine.next_pos
+        share = evicted_share(reading if reading is not None else engine.read_importance(), positions, logpi)
+        turn = self.turn
+        turn.question = relative_certificate(engine.read_certificate())[-rows:]
+        turn.sampled_cells = int(np.count_nonzero(sampled))
+        turn.uncertified = sampled_design and evicted and units < 2
+        turn.evicted_share = share
+
+    def question_decision(self) -> GateDecision:
+        tau = self.threshold()
+        value = self.turn.statistics().get(self.statistic)
+        if self.turn.uncertified and tau is not None:
+            return GateDecision(value if value is not None else 0.0, tau, fire=True, uncertified=True)
+        if not self.statistic.startswith("question."):
+            return GateDecision(None, tau, False)
+        return GateDecision(value, tau, fire=self._breach(value, tau))
+
+    def begin_answer(self) -> None:
+        self.turn.answer = []
+
+    def step_decision(self, engine: "Engine") -> GateDecision:
+        """Read this decode step's certificate; fire when an answer statistic reaches τ."""
+        tau = self.threshold()
+        if not engine.reading:
+            return GateDecision(None, tau, False)
+        self.turn.answer.append(relative_certificate(engine.read_certificate())[-1])
+        if not self.statistic.startswith("answer."):
+            return GateDecision(None, tau, False)
+        value = self.turn.statistics().get(self.statistic)
+        return GateDecision(value, tau, fire=self._breach(value, tau))
+
+    def record_firing(self, decision: GateDecision) -> None:
+        """The session re-read the history on ``decision``: the turn reports the value that fired."""
+        if self.turn.fired is None:
+            self.turn.fired = decision
+
+    def turn_certificate(self) -> float | None:
+        """The turn's certificate: the value that fired the gate, else the configured statistic."""
+        fired = self.turn.fired
+        if fired is not None and fired.value is not None:
+            return fired.value
+        return self.turn.statistics().get(self.statistic)
+
+    # -- the re-read planner --------------------------------------------------------------
+    def plan_reread(self, conversation_id: int, messages: Sequence[Any], room: int) -> ReadPlan:
+        """Which of the logged ``messages`` (with their exact tokens) a re-read into ``room`` cells holds, and
+        how many of the first the host copy serves."""
+        chosen, truncated = choose_messages(messages, room)
+        restored = self._copy_covers(conversation_id, chosen)
+        if not restored:
+            return ReadPlan(chosen, truncated)
+        assert self.copy is not None
+        tokens = sum(len(toks) for _, toks in self.copy.messages[:restored])
+        return ReadPlan(chosen, truncated, restored, self.copy.snapshot, tokens)
+
+    def _copy_covers(self, conversation_id: int, chosen: list[Any]) -> int:
+        """How many of ``chosen``'s first messages the previous re-read's copy holds, token for token (0: none,
+        the copy is off or of another conversation). A copy whose later messages the log no longer lists (an
+        independent probe, a replaced answer) still serves the messages before them. Never all of ``chosen``:
+        the last message is always fed, as the answer starts from its logits."""
+        copy = self.copy
+        if copy is None or not self.config.reread_copy or copy.conversation_id != conversation_id:
+            return 0
+        n = 0
+        for (mid, toks), m in zip(copy.messages[: len(chosen) - 1], chosen):
+            if m.id != mid or len(m.tokens) != len(toks) or tuple(int(t) for t in m.tokens) != toks:
+                break
+            n += 1
+        return n
+
+    def keep_copy(self, conversation_id: int, chosen: list[Any], engine: "Engine") -> None:
+        """Keep the cache a re-read just left as the next re-read's copy, when the config asks for one and a
+        gate can fire at all."""
+        if self.config.reread_copy and policies.get(self.config.policy).evicts and self.threshold() is not None:
+            self.copy = ReadCopy(conversation_id, tuple((m.id, tuple(int(t) for t in m.tokens)) for m in chosen),
+                                 engine.snapshot())
+
+    def drop_copy(self) -> None:
+        self.copy = None
