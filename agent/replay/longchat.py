@@ -43,6 +43,9 @@ SHARED_LOCOMO = Path(__file__).resolve().parents[3] / "shared" / "data" / "locom
 SYSTEM = ("You are a friendly assistant in a long, casual chat with the user that goes on over many days. "
           "Reply briefly. When the user asks about something said earlier in the chat, answer concisely.")
 MIN_DISTANCE = 2
+QUICK_FIXTURE = ("8k", 0)
+"""(size label, seed) of the committed script `certchat demo long --quick` runs."""
+QUICK_MAX_TOKENS = 24
 
 _ASIDES = (
     "{text} Oh, and unrelated, but so it's written down somewhere: {fact}.",
@@ -123,6 +126,12 @@ class TokenCounter:
             if step.assistant is not None:
                 messages.append({"role": "assistant", "content": step.assistant})
         return self._tokens(self.template.render(messages, False))
+
+    def context_length(self) -> int:
+        """The context the model was trained for (0 when its GGUF does not say)."""
+        arch = self._vocab.meta("general.architecture") or ""
+        value = self._vocab.meta(f"{arch}.context_length") if arch else None
+        return int(value) if value and value.isdigit() else 0
 
     def close(self) -> None:
         self._vocab.close()
@@ -208,8 +217,9 @@ class Layout:
 
 def layout(turns: int, n_probes: int, n_fillers: int, rng: random.Random) -> Layout:
     """Probes and fillers spread evenly; each probe's distance drawn on a log scale, 2 … ~0.8·turns."""
-    if turns < 4 * (n_probes + n_fillers) // 3 + 6:
-        raise LongchatError(f"{turns} turns cannot hold {n_probes} probes and {n_fillers} fillers")
+    if turns < 3 * (n_probes + n_fillers):
+        raise LongchatError(f"{turns} turns are too few to spread {n_probes} probes and {n_fillers} fillers "
+                            "through dialogue; ask for fewer --probes or a longer --history")
     taken: set[int] = set()
 
     def spread(count: int, lo: int, ok: Callable[[int], bool]) -> list[int]:
@@ -223,6 +233,8 @@ def layout(turns: int, n_probes: int, n_fillers: int, rng: random.Random) -> Lay
                     slots.append(s)
                     taken.add(s)
                     break
+            else:
+                raise LongchatError(f"no room left in {turns} turns for {count} probes or fillers")
         return slots
 
     probes = spread(n_probes, max(MIN_DISTANCE + 1, turns // 25), lambda s: True)
@@ -398,10 +410,10 @@ def dumps(script: Script, model: str = FIXTURE_MODEL) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save(script: Script, directory: Path) -> Path:
+def save(script: Script, directory: Path, model: str = FIXTURE_MODEL) -> Path:
     path = Path(directory) / f"{script.name}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(script), encoding="utf-8")
+    path.write_text(dumps(script, model), encoding="utf-8")
     return path
 
 
