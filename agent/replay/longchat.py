@@ -140,7 +140,10 @@ class TokenCounter:
 def counter_for(model: str = FIXTURE_MODEL) -> TokenCounter:
     from agent import models  # noqa: PLC0415
 
-    return TokenCounter(models.resolve(model))
+    # a registry model verified when pulled needs no re-validation (parsing its GGUF metadata in Python
+    # takes seconds for a large vocabulary); anything else is validated
+    pulled = model in models.REGISTRY and models.is_pulled(model)
+    return TokenCounter(models.model_file(model) if pulled else models.resolve(model))
 
 
 # -- the dialogue -----------------------------------------------------------------------------
@@ -377,15 +380,15 @@ def generate(seed: int, target: int, counter: TokenCounter, files: Sequence[Path
     # the number of exchanges whose total is nearest the target: a secant step, then walk
     per = max(1, sum(counter.text(e.user) + counter.text(e.assistant) + 2 * counter.per_message
                      for e in exchanges[:50]) // min(50, len(exchanges)))
-    n = max(3 * n_probes, min(len(exchanges), (target - 110 * n_probes) // per))
+    n = max(4 * n_probes, min(len(exchanges), (target - 110 * n_probes) // per))
     for _ in range(6):
         step = round((target - total(n)) / per)
         if step == 0:
             break
-        n = max(3 * n_probes, min(len(exchanges), n + step))
+        n = max(4 * n_probes, min(len(exchanges), n + step))
     while n < len(exchanges) and total(n) < target and abs(total(n + 1) - target) < abs(total(n) - target):
         n += 1
-    while n > 3 * n_probes and total(n) > target and abs(total(n - 1) - target) < abs(total(n) - target):
+    while n > 4 * n_probes and total(n) > target and abs(total(n - 1) - target) < abs(total(n) - target):
         n -= 1
     if n >= len(exchanges) and total(n) < 0.95 * target:
         raise LongchatError(f"the LoCoMo dialogue holds about {total(n)} tokens, short of {target}; "
