@@ -201,6 +201,8 @@ def _long_scripts(args: argparse.Namespace) -> list[Any]:
     """The demo's scripts: --script files, the quick fixture, or one generated at --history."""
     from agent.replay import longchat  # noqa: PLC0415
 
+    if sum(map(bool, (args.script, args.quick, args.history))) > 1:
+        raise _Usage("demo long: give one of --quick (the committed 8k script), --history SIZE or --script FILE")
     if args.script:
         return [longchat.load(p) for p in args.script]
     if args.quick:
@@ -245,7 +247,7 @@ def _cmd_demo_long(args: argparse.Namespace) -> int:
             out=out, policies=policies, budgets=budgets, seeds=args.seeds, gate=args.gate,
             model=args.model or longchat.FIXTURE_MODEL, max_tokens=max_tokens, n_ctx=args.n_ctx,
             threads=args.threads, shard=args.shard, plots=not args.no_plots, progress=not args.no_progress,
-            command=command_line(getattr(args, "argv", None)),
+            generate_fillers=args.generate_fillers, command=command_line(getattr(args, "argv", None)),
             extra_meta={"quick": bool(args.quick), "history": args.history})
         doc = longdemo.run(scripts, settings, _base_config(args))
     out.mkdir(parents=True, exist_ok=True)

@@ -72,3 +72,5 @@ def test_demo_long_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str], tm
     assert "--shard: expected i/n" in capsys.readouterr().err
     assert _cli(["demo", "long", "--script", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 1
     assert "cannot read" in capsys.readouterr().err
+    assert _cli(["demo", "long", "--quick", "--history", "16k", "--out", str(tmp_path)]) == 1
+    assert "give one of --quick" in capsys.readouterr().err

@@ -48,6 +48,8 @@ class Settings:
     shard: str | None = None
     plots: bool = True
     progress: bool = True
+    generate_fillers: bool = False
+    """Answer every scripted turn too (then restore the script's reply), as ``replay --generate-fillers``."""
     command: str = ""
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
@@ -125,7 +127,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "scripts": [{"name": s.name, "source": s.source, "steps": len(s.steps), "probes": len(s.probes),
                      **({"meta": s.meta} if s.meta else {})} for s in scripts],
-        "jobs": len(jobs), "demo": "long",
+        "jobs": len(jobs), "demo": "long", "generate_fillers": settings.generate_fillers,
         "host_memory": "resident set size sampled after each turn (/proc/self/statm): its peak in the run, "
                        "and that peak less the resident size when the run started",
         "design": {k: getattr(cfg, k) for k in ("sinks", "recent", "page_size", "top_share", "floor",
@@ -153,7 +155,8 @@ def run(scripts: list[Script], settings: Settings, base: Config,
                 f"{now - clock['marks'][0]:.0f} s so far")
 
     try:
-        runner = Runner(cfg, engine, display, store, gate=settings.gate, on_step=on_step)
+        runner = Runner(cfg, engine, display, store, gate=settings.gate, on_step=on_step,
+                        generate_fillers=settings.generate_fillers)
         for n, job in enumerate(jobs, start=1):
             script = by_name[job.script]
             label = f"[{n}/{len(jobs)}] {job.script} · {job.policy} {job.budget} · seed {job.seed}"
