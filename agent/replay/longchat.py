@@ -438,13 +438,19 @@ def fixture_path(label: str = "8k", seed: int = 0) -> Path:
 
 
 def describe(script: Script) -> str:
-    """One line: tokens, turns, probes (paraphrased), fillers, distance range."""
+    """One line: tokens, turns, probes (paraphrased), fillers, distance range (what the script says of itself)."""
     probes = script.probes
     distances = sorted(p.distance for p in probes if p.distance is not None)
-    para = sum(p.probe is not None and p.probe.category == "paraphrased" for p in probes)
-    fillers = len(script.meta.get("question_fillers", []))
+    parts = []
     tokens = script.meta.get("tokens")
-    size = f"{tokens:,} tokens ({script.meta.get('tokenizer', FIXTURE_MODEL)})" if tokens else "? tokens"
-    span = f"distances {distances[0]}–{distances[-1]} turns" if distances else "no distances"
-    return (f"{size}, {len(script.steps)} turns, {len(probes)} probes ({para} paraphrased), "
-            f"{fillers} question fillers, {span}")
+    if tokens:
+        parts.append(f"{tokens:,} tokens ({script.meta.get('tokenizer', FIXTURE_MODEL)})")
+    parts.append(f"{len(script.steps)} turns")
+    kinds = [p.probe.category for p in probes if p.probe is not None]
+    para = f" ({kinds.count('paraphrased')} paraphrased)" if "paraphrased" in kinds else ""
+    parts.append(f"{len(probes)} probes{para}")
+    if "question_fillers" in script.meta:
+        parts.append(f"{len(script.meta['question_fillers'])} question fillers")
+    if distances:
+        parts.append(f"distances {distances[0]}–{distances[-1]} turns")
+    return ", ".join(parts)
