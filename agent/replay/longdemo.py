@@ -69,9 +69,11 @@ def rss_bytes() -> int:
 
 
 def _identity(name_or_path: str) -> tuple[Path, str, str]:
-    path = models.resolve(name_or_path)
+    """(path, display name, sha256); a registry model verified when pulled is not re-parsed (seconds)."""
     if name_or_path in models.REGISTRY:
+        path = models.model_file(name_or_path) if models.is_pulled(name_or_path) else models.resolve(name_or_path)
         return path, name_or_path, models.REGISTRY[name_or_path].sha256
+    path = models.resolve(name_or_path)
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
