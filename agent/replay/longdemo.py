@@ -378,7 +378,7 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             probes = [p for p in pts if p[2]]
             if probes:
                 ax.scatter([p[0] for p in probes], [p[1] for p in probes], marker="x", s=22, color=color,
-                           label=f"{label}: probes" if i == 0 else None)
+                           label=f"{label}: probes")
             fired = [p for p in pts if p[3]]
             if fired:
                 ax.scatter([p[0] for p in fired], [p[1] for p in fired], marker="o", s=16, facecolors="none",
