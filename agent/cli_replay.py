@@ -8,6 +8,7 @@ Forms of ``replay`` (the work lives in ``agent.replay``):
     certchat replay --study attribution|gating|coverage …
     certchat replay merge DIR… [--out DIR] [--json]
     certchat replay convert-locomo FILE… --out DIR
+    certchat replay make-long [--history 8k,16k,32k] [--seed N] [--probes N] [--locomo FILE…] --out DIR
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         return _cmd_merge(args)
     if first == "convert-locomo" and not Path(first).exists():
         return _cmd_convert(args)
+    if first == "make-long" and not Path(first).exists():
+        return _cmd_make_long(args)
     from agent.replay import runner  # noqa: PLC0415
 
     if args.seeds < 1:
@@ -174,6 +177,89 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_long(args: argparse.Namespace) -> int:
+    from agent.replay import longchat  # noqa: PLC0415
+
+    if args.out is None or len(args.scripts) > 1:
+        raise _Usage("replay make-long [--history 8k,16k,32k] [--seed N] [--probes N] --out DIR")
+    sizes = [longchat.parse_size(t) for t in (args.history or "16k").split(",") if t.strip()]
+    files = longchat.source_files(args.locomo)
+    tokenizer = args.model or longchat.FIXTURE_MODEL
+    counter = longchat.counter_for(tokenizer)
+    try:
+        for size in sizes:
+            s = longchat.generate(args.seed, size, counter, files, probes=args.probes)
+            s.meta["tokenizer"] = tokenizer
+            path = longchat.save(s, args.out, tokenizer)
+            print(f"{path}: {longchat.describe(s)}")
+    finally:
+        counter.close()
+    return 0
+
+
+def _long_scripts(args: argparse.Namespace) -> list[Any]:
+    """The demo's scripts: --script files, the quick fixture, or one generated at --history."""
+    from agent.replay import longchat  # noqa: PLC0415
+
+    if sum(map(bool, (args.script, args.quick, args.history))) > 1:
+        raise _Usage("demo long: give one of --quick (the committed 8k script), --history SIZE or --script FILE")
+    if args.script:
+        return [longchat.load(p) for p in args.script]
+    if args.quick:
+        path = longchat.fixture_path(*longchat.QUICK_FIXTURE)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: the quick long-chat fixture is missing; run `certchat replay "
+                                    f"make-long --history {longchat.QUICK_FIXTURE[0]} --out {path.parent}`")
+        return [longchat.load(path)]
+    size = longchat.parse_size(args.history or "16k")
+    counter = longchat.counter_for()
+    try:
+        s = longchat.generate(args.seed, size, counter, longchat.source_files(args.locomo), probes=args.probes)
+    finally:
+        counter.close()
+    s.meta["tokenizer"] = longchat.FIXTURE_MODEL
+    return [s]
+
+
+def _cmd_demo_long(args: argparse.Namespace) -> int:
+    from agent.replay import aggregate, longchat, longdemo, runner  # noqa: PLC0415
+    from agent.replay.report import command_line  # noqa: PLC0415
+
+    if args.from_results:
+        files = aggregate.result_files(args.from_results)
+        meta, runs = aggregate.merge([aggregate.read_results(f) for f in files])
+        doc = aggregate.results_document(meta, runs)
+        out = args.out or args.from_results[0]
+    else:
+        if args.seeds < 1:
+            raise _Usage("--seeds: must be at least 1")
+        policies, budgets = runner.parse_policies(args.policy), runner.parse_budgets(args.budget)
+        runner.shard([], args.shard)  # a bad --shard fails before the model loads
+        scripts = _long_scripts(args)
+        out = args.out or _default_out("long" + ("-quick" if args.quick else ""))
+        for s in scripts:
+            if s.meta.get("generator") == "agent.replay.longchat" and not args.script and not args.quick:
+                print(f"{longchat.save(s, out)}: {longchat.describe(s)}", file=sys.stderr)
+            else:
+                print(f"{s.source}: {longchat.describe(s)}", file=sys.stderr)
+        max_tokens = args.max_tokens or (longchat.QUICK_MAX_TOKENS if args.quick else 32)
+        settings = longdemo.Settings(
+            out=out, policies=policies, budgets=budgets, seeds=args.seeds, gate=args.gate,
+            model=args.model or longchat.FIXTURE_MODEL, max_tokens=max_tokens, n_ctx=args.n_ctx,
+            threads=args.threads, shard=args.shard, plots=not args.no_plots, progress=not args.no_progress,
+            generate_fillers=args.generate_fillers, command=command_line(getattr(args, "argv", None)),
+            extra_meta={"quick": bool(args.quick), "history": args.history})
+        doc = longdemo.run(scripts, settings, _base_config(args))
+    out.mkdir(parents=True, exist_ok=True)
+    longdemo.write_reports(doc, out, plot=not args.no_plots)
+    if args.json:
+        print(longdemo.json_line(doc))
+    else:
+        print(longdemo.table(doc))
+        print(f"results: {out}", file=sys.stderr)
+    return 0
+
+
 def _cmd_demo_recall30(args: argparse.Namespace) -> int:
     from agent.replay import batch, recall30, runner  # noqa: PLC0415
     from agent.replay.report import command_line  # noqa: PLC0415
@@ -236,6 +322,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="LoCoMo QA categories: 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop")
     p.add_argument("--max-sessions", type=int, dest="max_sessions", help="LoCoMo: keep the first N sessions")
     p.add_argument("--max-probes", type=int, dest="max_probes", help="LoCoMo: at most N questions, evenly spaced")
+    p.add_argument("--history", help="make-long: script length(s) in tokens, e.g. 8k,16k,32k (k = 1,000)")
+    p.add_argument("--seed", type=int, default=0, help="make-long: the script's seed (default 0)")
+    p.add_argument("--probes", type=int, help="make-long: probes per script (default one per ~800 tokens)")
     p.add_argument("--study", choices=("coverage", "attribution", "gating"),
                    help="run a certificate study instead of a plain replay")
     p.add_argument("--from-results", type=Path, action="append", dest="from_results",
@@ -257,6 +346,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="regenerate the committed filler replies (full cache, greedy) and exit")
     d.set_defaults(func=_guard(_cmd_demo_recall30), command="demo")
 
+    lg = demo_sub.add_parser("long", help="a long chat (16k tokens by default): recall and time per turn, "
+                                          "full against evicted and gated")
+    _add_run_flags(lg, "full,topk,poisson,poisson+gate", 1)
+    lg.set_defaults(max_tokens=None)
+    lg.add_argument("--quick", action="store_true",
+                    help="the committed ~8k-token fixture (under 15 minutes on 2 CPU cores)")
+    lg.add_argument("--history", help="generate a script of this many tokens (default 16k; k = 1,000)")
+    lg.add_argument("--seed", type=int, default=0, help="the generated script's seed (default 0)")
+    lg.add_argument("--probes", type=int, help="probes in the generated script (default one per ~800 tokens)")
+    lg.add_argument("--locomo", type=Path, action="append",
+                    help="LoCoMo files to draw the dialogue from (default: the shared ones)")
+    lg.add_argument("--script", type=Path, action="append",
+                    help="run these scripts instead (any replay script, e.g. a converted LoCoMo conversation)")
+    lg.add_argument("--shard", help="run only shard i of n (i/n); combine with --from-results or `replay merge`")
+    lg.add_argument("--n-ctx", type=int, dest="n_ctx", help="KV cells (default: the longest history + an answer)")
+    lg.add_argument("--from-results", type=Path, action="append", dest="from_results",
+                    help="print the table and plots of these results folders (e.g. shards) without running")
+    lg.set_defaults(func=_guard(_cmd_demo_long), command="demo")
+
 
 def _guard(func: Any) -> Any:
     """The known failure kinds as one-line errors, not tracebacks."""
@@ -264,6 +372,7 @@ def _guard(func: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         from agent.replay.aggregate import ResultsError  # noqa: PLC0415
         from agent.replay.locomo import LocomoError  # noqa: PLC0415
+        from agent.replay.longchat import LongchatError  # noqa: PLC0415
         from agent.replay.runner import RunError  # noqa: PLC0415
         from agent.replay.script import ScriptError  # noqa: PLC0415
         from agent.template import TemplateError  # noqa: PLC0415
@@ -273,8 +382,9 @@ def _guard(func: Any) -> Any:
 
         try:
             return int(func(args) or 0)
-        except (_Usage, ScriptError, LocomoError, RunError, ResultsError, FileNotFoundError, config_mod.ConfigError,
-                models.ModelError, StoreError, LlamaError, NativeNotBuilt, TemplateError) as err:
+        except (_Usage, ScriptError, LocomoError, LongchatError, RunError, ResultsError, FileNotFoundError,
+                config_mod.ConfigError, models.ModelError, StoreError, LlamaError, NativeNotBuilt,
+                TemplateError) as err:
             print(f"certchat {args.command}: {err}", file=sys.stderr)
             return 1
         except NotImplementedError as err:

@@ -1,0 +1,76 @@
+"""`certchat demo long` end to end on the real small model, a tiny long-chat script and a real SQLite log.
+
+It checks what the demo records and prints (per-turn times, memory samples, the side-by-side
+columns, plots, re-rendering merged results), never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from agent import cli_replay
+from agent.replay import aggregate, longchat, longdemo
+
+HAVE_LOCOMO = bool(sorted(longchat.SHARED_LOCOMO.glob("*.json")))
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="certchat")
+    cli_replay.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return args.func(args)
+
+
+@pytest.mark.slow  # about 45 s of CPU: four small jobs' worth of turns on smollm2
+@pytest.mark.skipif(not HAVE_LOCOMO, reason="the shared LoCoMo data is not on this machine")
+def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    counter = longchat.TokenCounter(small_model)
+    try:
+        s = longchat.generate(5, 700, counter, probes=2)
+    finally:
+        counter.close()
+    path = longchat.save(s, tmp_path / "scripts", "smollm2-135m")
+    out = tmp_path / "run"
+    assert _cli(["demo", "long", "--script", str(path), "--policy", "full,poisson+gate", "--model", "smollm2-135m",
+                 "--threads", "1", "--max-tokens", "4", "--no-progress", "--json", "--out", str(out)]) == 0
+    columns = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["columns"]
+    assert [(c["policy"], c["budget"]) for c in columns] == [("full", "100%"), ("poisson+gate", "10%")]
+    full, gated = columns
+    for c in columns:
+        assert c["n_probes"] == 2 and c["turns"] == len(s.steps)
+        assert c["turn_s_mean"] > 0 and c["turn_s_p95"] >= c["turn_s_mean"] * 0.5 and c["peak_cells"] > 0
+        assert c["rss_peak_mib"] > 0 and sum(n for _, n in c["recall_by_category"].values()) == 2
+    assert full["reprefill_tokens"] == 0 and full["gate_probes"] == 0 and full["restored_tokens"] == 0
+    assert gated["gate_qfillers"] is not None  # the script's question fillers are known to the table
+    doc = aggregate.read_results(out / "results.json")
+    for run in doc["runs"]:
+        assert len(run["turn_wall_s"]) == len(run["steps"]) == len(run["rss_bytes"])
+        assert run["question_fillers"] == s.meta["question_fillers"]
+    assert doc["meta"]["demo"] == "long" and "resident set size" in doc["meta"]["host_memory"]
+    for name in ("long-table.md", "table.md", "long-turn_time.png", "long-certificate_by_turn.png"):
+        assert (out / name).exists(), name
+    table = (out / "long-table.md").read_text(encoding="utf-8")
+    assert "gate rate: probes / question fillers / other turns" in table and "turn time, mean / p95" in table
+    # the same table from the results on disk (as after `replay merge` of shards)
+    assert _cli(["demo", "long", "--from-results", str(out), "--json", "--no-plots"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["columns"]
+    assert again == columns
+    assert longdemo.table(doc).splitlines()[0].startswith("| measure | full | poisson+gate")
+
+
+def test_demo_long_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert _cli(["demo", "long", "--history", "lots", "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == ("certchat demo: --history: expected a token count like 16k or "
+                                               "12000, got 'lots'")
+    assert _cli(["demo", "long", "--quick", "--shard", "3/2", "--out", str(tmp_path)]) == 1
+    assert "--shard: expected i/n" in capsys.readouterr().err
+    assert _cli(["demo", "long", "--script", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    assert _cli(["demo", "long", "--quick", "--history", "16k", "--out", str(tmp_path)]) == 1
+    assert "give one of --quick" in capsys.readouterr().err
