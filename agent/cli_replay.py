@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from agent import config as config_mod
-from agent import models, paths, policies
+from agent import models, paths
+from agent import policies as policies_mod
 
-DEFAULT_POLICIES = ",".join(policies.REPLAY_NAMES)
+DEFAULT_POLICIES = ",".join(policies_mod.REPLAY_NAMES)
 
 
 def _default_out(kind: str) -> Path:
@@ -285,7 +286,7 @@ def _cmd_demo_recall30(args: argparse.Namespace) -> int:
 
 def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int) -> None:
     p.add_argument("--policy", default=policies,
-                   help=f"comma-separated: full, window, topk, random, poisson, poisson+gate (default {policies})")
+                   help=f"comma-separated: {', '.join(policies_mod.REPLAY_NAMES)} (default {policies})")
     p.add_argument("--budget", default="10%", help="KV budget(s), comma-separated: 10%% or 1024 (default 10%%)")
     p.add_argument("--seeds", type=int, default=seeds, help="seeds 0…N−1 for the randomised policies")
     p.add_argument("--gate", default="auto", help="gate threshold τ for poisson+gate, or 'auto' (calibrated)")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from agent.replay.longchat_facts import FACTS, Fact, content_words, reply
+from agent.replay.longchat_facts import FACTS, Fact, reply
 from agent.replay.script import Probe, Script, ScriptError, Step
 from agent.replay.script import load as load_script
 

@@ -364,7 +364,7 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-        cert = [r for r in runs if r["policy"].split("@")[0] in ("random", "poisson", "poisson+gate")
+        cert = [r for r in runs if report.certified(r["policy"].split("@")[0])
                 and any(s["certificate"] is not None for s in r["steps"])]
         if not cert:
             continue

@@ -19,7 +19,8 @@ from agent import policies
 from agent.replay.aggregate import table
 
 
-def _sampled(policy: str) -> bool:
+def certified(policy: str) -> bool:
+    """Whether a (base) policy's runs carry a certificate worth plotting: the sampled designs and the gated system."""
     return policy == policies.GATED or (policy in policies.POLICIES and policies.POLICIES[policy].sampled)
 
 
@@ -175,7 +176,7 @@ def plots(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
 
     # 3. the gate statistic per turn: probes against fillers, with τ
     # deterministic designs certify 0 by construction (π = 1): only the randomised ones are informative
-    cert_runs = [r for r in doc["runs"] if _sampled(r["policy"].split("@", 1)[0])
+    cert_runs = [r for r in doc["runs"] if certified(r["policy"].split("@", 1)[0])
                  and any(s["certificate"] is not None for s in r["steps"])]
     if cert_runs:
         fig, ax = plt.subplots(figsize=(8, 4))
