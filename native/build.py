@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -252,8 +253,15 @@ def _core_sources() -> list[Path]:
     return sorted(p for p in CORE_SRC_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
+# GGML_NATIVE compiles for the build machine; on a Xeon that reports AMX, ggml then takes its AMX kernels, which
+# die with SIGILL in a VM that does not grant the tile state (this machine). AVX-512 and the rest stay native.
+X86_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def llama_flags(opts: BuildOptions, cuda_arch: str | None) -> list[str]:
     flags = list(LLAMA_FLAGS)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags += [f"-DCMAKE_C_FLAGS={X86_NO_AMX}", f"-DCMAKE_CXX_FLAGS={X86_NO_AMX}"]
     if opts.cuda:
         flags += list(CUDA_FLAGS) + [f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
     return flags
