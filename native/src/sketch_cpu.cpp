@@ -1,0 +1,306 @@
+// The evicted-key sketch: quantised K rows of evicted tokens, scored against the question's query rows
+// on the scale of the kept cells' softmax (docs/POISSON.md, "Phase 1"). Stateless: the caller owns the
+// storage (native/sketch.py keeps it per conversation).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "certchat_core.h"
+#include "status.hpp"
+
+namespace {
+
+// IEEE half <-> float, round to nearest even (the scales are stored as half: 2 bytes per row and head).
+uint16_t to_half(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t absx = x & 0x7fffffffu;
+    if (absx > 0x7f800000u) {
+        return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+    }
+    if (absx >= 0x477ff000u) {
+        return static_cast<uint16_t>(sign | 0x7c00u);  // overflow (>= 65520 rounds to inf)
+    }
+    if (absx < 0x38800000u) {  // subnormal half (or zero)
+        if (absx < 0x33000000u) {
+            return static_cast<uint16_t>(sign);
+        }
+        const uint32_t mant = (absx & 0x7fffffu) | 0x800000u;
+        const int shift = 126 - static_cast<int>(absx >> 23);  // 14..24
+        const uint32_t half_ulp = 1u << (shift - 1);
+        uint32_t q = mant >> shift;
+        const uint32_t rem = mant & ((1u << shift) - 1u);
+        if (rem > half_ulp || (rem == half_ulp && (q & 1u))) {
+            ++q;
+        }
+        return static_cast<uint16_t>(sign | q);
+    }
+    uint32_t h = ((absx - 0x38000000u) >> 13);
+    const uint32_t rem = absx & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) {
+        ++h;
+    }
+    return static_cast<uint16_t>(sign | h);
+}
+
+float from_half(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1fu;
+    const uint32_t m = h & 0x3ffu;
+    uint32_t x;
+    if (e == 0) {
+        if (m == 0) {
+            x = sign;
+        } else {
+            float v = std::ldexp(static_cast<float>(m), -24);
+            return sign ? -v : v;
+        }
+    } else if (e == 31) {
+        x = sign | 0x7f800000u | (m << 13);
+    } else {
+        x = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float f;
+    std::memcpy(&f, &x, 4);
+    return f;
+}
+
+int check_shape(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits) {
+    if (n < 0 || n_kv_head < 1 || head_dim < 1) {
+        return certchat::fail(CERTCHAT_ERR_INVALID, "sketch: n = %lld, n_kv_head = %lld, head_dim = %lld: need n >= 0 and "
+                              "positive sizes", static_cast<long long>(n), static_cast<long long>(n_kv_head),
+                              static_cast<long long>(head_dim));
+    }
+    if (bits != 32 && bits != 8 && bits != 4) {
+        return certchat::fail(CERTCHAT_ERR_INVALID, "sketch: bits = %d, use 32, 8 or 4", bits);
+    }
+    if (bits == 4 && head_dim % 2 != 0) {
+        return certchat::fail(CERTCHAT_ERR_INVALID, "sketch: 4-bit rows need an even head_dim, got %lld",
+                              static_cast<long long>(head_dim));
+    }
+    return CERTCHAT_OK;
+}
+
+int64_t row_bytes(int64_t n_kv_head, int64_t head_dim, int32_t bits) { return n_kv_head * head_dim * bits / 8; }
+
+// One row of one layer back to F32 (NaN for an absent row).
+void dequantize_row(int64_t n_kv_head, int64_t head_dim, int32_t bits, const uint8_t *code, const uint16_t *scale,
+                    float *k) {
+    const int64_t w = n_kv_head * head_dim;
+    if (bits == 32) {
+        std::memcpy(k, code, static_cast<size_t>(w) * sizeof(float));
+        return;
+    }
+    for (int64_t h = 0; h < n_kv_head; ++h) {
+        const float s = from_half(scale[h]);
+        float *dst = k + h * head_dim;
+        if (bits == 8) {
+            const int8_t *c = reinterpret_cast<const int8_t *>(code) + h * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                dst[d] = s * static_cast<float>(c[d]);
+            }
+        } else {
+            const uint8_t *c = code + h * head_dim / 2;
+            for (int64_t d = 0; d < head_dim; d += 2) {
+                const uint8_t b = c[d / 2];
+                dst[d] = s * static_cast<float>(static_cast<int>(b & 0x0f) - 8);
+                dst[d + 1] = s * static_cast<float>(static_cast<int>(b >> 4) - 8);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+CERTCHAT_API int certchat_sketch_quantize(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits,
+                                          const float *k, uint8_t *codes, uint16_t *scales) {
+    certchat::clear_error();
+    const int rc = check_shape(n, n_kv_head, head_dim, bits);
+    if (rc != CERTCHAT_OK || n == 0) {
+        return rc;
+    }
+    if (!k || !codes || (bits < 32 && !scales)) {
+        return certchat::fail(CERTCHAT_ERR_INVALID, "sketch_quantize: k, codes and (bits < 32) scales must not be NULL");
+    }
+    const int64_t w = n_kv_head * head_dim;
+    const int64_t rb = row_bytes(n_kv_head, head_dim, bits);
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        const float *x = k + i * w;
+        uint8_t *code = codes + i * rb;
+        bool absent = false;
+        for (int64_t j = 0; j < w; ++j) {
+            absent = absent || std::isnan(x[j]);
+        }
+        if (bits == 32) {
+            std::memcpy(code, x, static_cast<size_t>(w) * sizeof(float));
+            if (scales) {
+                for (int64_t h = 0; h < n_kv_head; ++h) {
+                    scales[i * n_kv_head + h] = to_half(1.0f);
+                }
+            }
+            continue;
+        }
+        for (int64_t h = 0; h < n_kv_head; ++h) {
+            const float *xh = x + h * head_dim;
+            uint16_t &sh = scales[i * n_kv_head + h];
+            if (absent) {
+                sh = to_half(std::numeric_limits<float>::quiet_NaN());
+                std::memset(bits == 8 ? code + h * head_dim : code + h * head_dim / 2, bits == 8 ? 0 : 0x88,
+                            static_cast<size_t>(bits == 8 ? head_dim : head_dim / 2));
+                continue;
+            }
+            float amax = 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                amax = std::fmax(amax, std::fabs(xh[d]));
+            }
+            // the codes are computed against the stored (half) scale, so dequantisation is what scoring sees
+            sh = to_half(amax / qmax);
+            const float s = from_half(sh);
+            const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                float v = std::nearbyint(xh[d] * inv);
+                v = std::fmin(std::fmax(v, -qmax), qmax);
+                const int c = static_cast<int>(v);
+                if (bits == 8) {
+                    reinterpret_cast<int8_t *>(code)[h * head_dim + d] = static_cast<int8_t>(c);
+                } else {
+                    uint8_t &b = code[(h * head_dim + d) / 2];
+                    const uint8_t nib = static_cast<uint8_t>(c + 8);
+                    b = (d % 2 == 0) ? static_cast<uint8_t>((b & 0xf0) | nib) : static_cast<uint8_t>((b & 0x0f) | (nib << 4));
+                }
+            }
+        }
+    }
+    return CERTCHAT_OK;
+}
+
+CERTCHAT_API int certchat_sketch_dequantize(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits,
+                                            const uint8_t *codes, const uint16_t *scales, float *k) {
+    certchat::clear_error();
+    const int rc = check_shape(n, n_kv_head, head_dim, bits);
+    if (rc != CERTCHAT_OK || n == 0) {
+        return rc;
+    }
+    if (!k || !codes || (bits < 32 && !scales)) {
+        return certchat::fail(CERTCHAT_ERR_INVALID, "sketch_dequantize: k, codes and (bits < 32) scales must not be NULL");
+    }
+    const int64_t rb = row_bytes(n_kv_head, head_dim, bits);
+    for (int64_t i = 0; i < n; ++i) {
+        dequantize_row(n_kv_head, head_dim, bits, codes + i * rb, bits < 32 ? scales + i * n_kv_head : nullptr,
+                       k + i * n_kv_head * head_dim);
+    }
+    return CERTCHAT_OK;
+}
+
+CERTCHAT_API int certchat_sketch_score(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits,
+                                       const uint8_t *codes, const uint16_t *scales, int64_t n_rows,
+                                       int64_t n_head, const float *q, const float *lse, float kq_scale,
+                                       int32_t renormalise, float *out) {
+    certchat::clear_error();
+    int rc = check_shape(n, n_kv_head, head_dim, bits);
+    if (rc != CERTCHAT_OK) {
+        return rc;
+    }
+    if (n_rows < 0 || n_head < n_kv_head || n_head % n_kv_head != 0) {
+        return certchat::fail(CERTCHAT_ERR_INVALID, "sketch_score: n_rows = %lld, n_head = %lld: need n_rows >= 0 and "
+                              "n_head a multiple of n_kv_head = %lld", static_cast<long long>(n_rows),
+                              static_cast<long long>(n_head), static_cast<long long>(n_kv_head));
+    }
+    if (!std::isfinite(kq_scale)) {
+        return certchat::fail(CERTCHAT_ERR_NONFINITE, "sketch_score: kq_scale is not finite");
+    }
+    if (n == 0) {
+        return CERTCHAT_OK;
+    }
+    if (!out || !codes || (bits < 32 && !scales) || (n_rows > 0 && (!q || !lse))) {
+        return certchat::fail(CERTCHAT_ERR_INVALID, "sketch_score: a required pointer is NULL");
+    }
+    const int64_t n_gqa = n_head / n_kv_head;
+    const int64_t rb = row_bytes(n_kv_head, head_dim, bits);
+    const int64_t w = n_kv_head * head_dim;
+
+    std::memset(out, 0, static_cast<size_t>(n_head * n) * sizeof(float));
+
+    // rows with data: a NaN lse or query (a layer without data) is skipped
+    std::vector<uint8_t> valid(static_cast<size_t>(n_rows * n_head), 0);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        for (int64_t h = 0; h < n_head; ++h) {
+            bool ok = std::isfinite(lse[r * n_head + h]);
+            const float *qr = q + (r * n_head + h) * head_dim;
+            for (int64_t d = 0; d < head_dim && ok; ++d) {
+                ok = std::isfinite(qr[d]);
+            }
+            valid[static_cast<size_t>(r * n_head + h)] = ok ? 1 : 0;
+        }
+    }
+
+    // keys transposed per KV head, [head_dim][n]: the dot products then run along the keys (no float reduction
+    // to reorder, so the compiler vectorises them under -fno-fast-math), absent rows as zeros with a mask
+    std::vector<float> kt(static_cast<size_t>(w * n));
+    std::vector<uint8_t> present(static_cast<size_t>(n));
+    {
+        std::vector<float> row(static_cast<size_t>(w));
+        for (int64_t i = 0; i < n; ++i) {
+            dequantize_row(n_kv_head, head_dim, bits, codes + i * rb, bits < 32 ? scales + i * n_kv_head : nullptr,
+                           row.data());
+            bool ok = true;
+            for (int64_t j = 0; j < w; ++j) {
+                ok = ok && !std::isnan(row[static_cast<size_t>(j)]);
+            }
+            present[static_cast<size_t>(i)] = ok ? 1 : 0;
+            for (int64_t j = 0; j < w; ++j) {
+                kt[static_cast<size_t>(j * n + i)] = ok ? row[static_cast<size_t>(j)] : 0.0f;
+            }
+        }
+    }
+
+    std::vector<float> s(static_cast<size_t>(n));
+    for (int64_t h = 0; h < n_head; ++h) {
+        const float *k_h = kt.data() + (h / n_gqa) * head_dim * n;
+        float *o = out + h * n;
+        int64_t n_valid = 0;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            if (!valid[static_cast<size_t>(r * n_head + h)]) {
+                continue;
+            }
+            ++n_valid;
+            const float *qr = q + (r * n_head + h) * head_dim;
+            std::fill(s.begin(), s.end(), 0.0f);
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const float qd = qr[d];
+                const float *kd = k_h + d * n;
+                float *sp = s.data();
+                for (int64_t i = 0; i < n; ++i) {
+                    sp[i] += qd * kd[i];
+                }
+            }
+            const float l = lse[r * n_head + h];
+            double z = 1.0;
+            for (int64_t i = 0; i < n; ++i) {
+                const float e = present[static_cast<size_t>(i)] ? std::exp(kq_scale * s[static_cast<size_t>(i)] - l) : 0.0f;
+                s[static_cast<size_t>(i)] = e;
+                z += e;
+            }
+            const float inv = renormalise ? static_cast<float>(1.0 / z) : 1.0f;
+            for (int64_t i = 0; i < n; ++i) {
+                o[i] += s[static_cast<size_t>(i)] * inv;
+            }
+        }
+        if (n_valid > 1) {
+            const float inv = 1.0f / static_cast<float>(n_valid);
+            for (int64_t i = 0; i < n; ++i) {
+                o[i] *= inv;
+            }
+        }
+    }
+    rc = CERTCHAT_OK;
+    return rc;
+}
+
+}  // extern "C"
