@@ -39,9 +39,9 @@ _I32 = ctypes.c_int32
 
 _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "certchat_core_last_error": (ctypes.c_char_p, []),
-    "certchat_sketch_quantize": (ctypes.c_int, [_I64, _I64, _I64, _I32, _P, _P, _P]),
-    "certchat_sketch_dequantize": (ctypes.c_int, [_I64, _I64, _I64, _I32, _P, _P, _P]),
-    "certchat_sketch_score": (ctypes.c_int, [_I64, _I64, _I64, _I32, _P, _P, _I64, _I64, _P, _P, ctypes.c_float,
+    "certchat_sketch_quantize": (ctypes.c_int, [_I64, _I64, _I64, _I32, _P, _P, _P, _P]),
+    "certchat_sketch_dequantize": (ctypes.c_int, [_I64, _I64, _I64, _I32, _P, _P, _P, _P]),
+    "certchat_sketch_score": (ctypes.c_int, [_I64, _I64, _I64, _I32, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_float,
                                              _I32, _P]),
 }
 
@@ -76,33 +76,59 @@ def bytes_per_token(n_layers: int, n_kv_head: int, head_dim: int, bits: int) -> 
     return n_layers * (code_bytes(n_kv_head, head_dim, bits) + scales) + 8
 
 
-def quantize(keys: ArrayLike, n_kv_head: int, bits: int) -> tuple[NDArray[np.uint8], NDArray[np.uint16]]:
-    """Rows [n, n_kv_head * head_dim] (F32, NaN rows = absent) -> (codes [n, code bytes], half scale bits [n, n_kv_head])."""
+def _channel(channel_scale: ArrayLike | None, width: int) -> NDArray[np.float32] | None:
+    if channel_scale is None:
+        return None
+    c = np.ascontiguousarray(channel_scale, dtype=np.float32)
+    if c.shape != (width,):
+        raise SketchError(f"channel_scale must have shape ({width},), got {c.shape}")
+    return c
+
+
+def channel_scales(keys: ArrayLike) -> NDArray[np.float32]:
+    """Per-channel max |k| over rows [n, width] (absent rows ignored; 1 where a channel is all zero or unseen)."""
+    k = np.asarray(keys, dtype=np.float32)
+    with np.errstate(all="ignore"):
+        c = np.nanmax(np.abs(k), axis=0) if len(k) and not np.isnan(k).all() else np.ones(k.shape[1], np.float32)
+    c = np.where(np.isfinite(c) & (c > 0), c, 1.0)
+    return np.ascontiguousarray(c, dtype=np.float32)
+
+
+def quantize(keys: ArrayLike, n_kv_head: int, bits: int,
+             channel_scale: ArrayLike | None = None) -> tuple[NDArray[np.uint8], NDArray[np.uint16]]:
+    """Rows [n, n_kv_head * head_dim] (F32, NaN rows = absent) -> (codes [n, code bytes], half scale bits [n, n_kv_head]).
+
+    With ``channel_scale`` [width] the rows quantised are k / channel_scale (pass the same to dequantize/score).
+    """
     k = np.ascontiguousarray(keys, dtype=np.float32)
     if k.ndim != 2 or k.shape[1] % n_kv_head:
         raise SketchError(f"keys must be [n, n_kv_head * head_dim] with n_kv_head = {n_kv_head}, got {k.shape}")
     head_dim = k.shape[1] // n_kv_head
+    c = _channel(channel_scale, k.shape[1])
     codes = np.zeros((k.shape[0], code_bytes(n_kv_head, head_dim, bits)), dtype=np.uint8)
     scales = np.zeros((k.shape[0], n_kv_head), dtype=np.uint16)
-    _check(_lib().certchat_sketch_quantize(k.shape[0], n_kv_head, head_dim, bits, k.ctypes.data, codes.ctypes.data,
-                                           scales.ctypes.data))
+    _check(_lib().certchat_sketch_quantize(k.shape[0], n_kv_head, head_dim, bits, None if c is None else c.ctypes.data,
+                                           k.ctypes.data, codes.ctypes.data, scales.ctypes.data))
     return codes, scales
 
 
 def dequantize(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n_kv_head: int, head_dim: int,
-               bits: int) -> NDArray[np.float32]:
+               bits: int, channel_scale: ArrayLike | None = None) -> NDArray[np.float32]:
     """The F32 rows the scoring sees [n, n_kv_head * head_dim] (NaN for absent rows)."""
     c = np.ascontiguousarray(codes, dtype=np.uint8)
     s = np.ascontiguousarray(scales, dtype=np.uint16)
+    ch = _channel(channel_scale, n_kv_head * head_dim)
     out = np.empty((c.shape[0], n_kv_head * head_dim), dtype=np.float32)
-    _check(_lib().certchat_sketch_dequantize(c.shape[0], n_kv_head, head_dim, bits, c.ctypes.data, s.ctypes.data,
-                                             out.ctypes.data))
+    _check(_lib().certchat_sketch_dequantize(c.shape[0], n_kv_head, head_dim, bits, None if ch is None else ch.ctypes.data,
+                                             c.ctypes.data, s.ctypes.data, out.ctypes.data))
     return out
 
 
 def score_layer(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n_kv_head: int, head_dim: int, bits: int,
-                q: ArrayLike, lse: ArrayLike, kq_scale: float, renormalise: bool = False) -> NDArray[np.float32]:
+                q: ArrayLike, lse: ArrayLike, kq_scale: float, renormalise: bool = False,
+                channel_scale: ArrayLike | None = None) -> NDArray[np.float32]:
     """One layer: q [n_rows, n_head, head_dim], lse [n_rows, n_head] -> [n_head, n] mean over rows of e(r, h, i)."""
+    ch = _channel(channel_scale, n_kv_head * head_dim)
     c = np.ascontiguousarray(codes, dtype=np.uint8)
     s = np.ascontiguousarray(scales, dtype=np.uint16)
     qq = np.ascontiguousarray(q, dtype=np.float32)
@@ -110,7 +136,8 @@ def score_layer(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n_kv_head:
     if qq.ndim != 3 or qq.shape[2] != head_dim or ll.shape != qq.shape[:2]:
         raise SketchError(f"q must be [n_rows, n_head, {head_dim}] and lse [n_rows, n_head], got {qq.shape}, {ll.shape}")
     out = np.empty((qq.shape[1], c.shape[0]), dtype=np.float32)
-    _check(_lib().certchat_sketch_score(c.shape[0], n_kv_head, head_dim, bits, c.ctypes.data, s.ctypes.data,
+    _check(_lib().certchat_sketch_score(c.shape[0], n_kv_head, head_dim, bits, None if ch is None else ch.ctypes.data,
+                                        c.ctypes.data, s.ctypes.data,
                                         qq.shape[0], qq.shape[1], qq.ctypes.data, ll.ctypes.data, float(kq_scale),
                                         int(bool(renormalise)), out.ctypes.data))
     return out
@@ -119,11 +146,15 @@ def score_layer(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n_kv_head:
 # -- numpy references --------------------------------------------------------------------------
 
 
-def reference_quantize(keys: ArrayLike, n_kv_head: int, bits: int) -> NDArray[np.float32]:
+def reference_quantize(keys: ArrayLike, n_kv_head: int, bits: int,
+                       channel_scale: ArrayLike | None = None) -> NDArray[np.float32]:
     """numpy's int8/int4 round trip of rows [n, n_kv_head * head_dim] (the same half scales and rounding)."""
     k = np.asarray(keys, dtype=np.float32)
     if bits == 32:
         return k.copy()
+    ch = None if channel_scale is None else np.asarray(channel_scale, dtype=np.float32)
+    if ch is not None:
+        k = (k / ch).astype(np.float32)
     n, w = k.shape
     x = k.reshape(n, n_kv_head, w // n_kv_head)
     qmax = np.float32(127 if bits == 8 else 7)
@@ -133,6 +164,8 @@ def reference_quantize(keys: ArrayLike, n_kv_head: int, bits: int) -> NDArray[np
         inv = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
         codes = np.clip(np.rint(np.nan_to_num(x) * inv[:, :, None]), -qmax, qmax)
     out = (codes * scale[:, :, None]).reshape(n, w).astype(np.float32)
+    if ch is not None:
+        out = (out * ch).astype(np.float32)
     out[absent] = np.nan
     return out
 
@@ -199,6 +232,9 @@ class EvictedKeySketch:
     n_kv_head: int
     head_dim: int
     bits: int = 4
+    channel_norm: bool = True
+    """Quantise k / c with c the per-channel max |k| of the first round (per layer; kept until ``clear``)."""
+    _channel: NDArray[np.float32] | None = field(default=None, repr=False)
     _codes: list[NDArray[np.uint8]] = field(default_factory=list, repr=False)
     _scales: list[NDArray[np.uint16]] = field(default_factory=list, repr=False)
     _positions: list[NDArray[np.int32]] = field(default_factory=list, repr=False)
@@ -224,7 +260,12 @@ class EvictedKeySketch:
 
     @property
     def nbytes(self) -> int:
-        return self.n_tokens * self.bytes_per_token
+        return self.n_tokens * self.bytes_per_token + self.overhead_bytes
+
+    @property
+    def channel_scale(self) -> NDArray[np.float32] | None:
+        """[n_layers, width] the channel scales in use (None before the first append, or without channel_norm)."""
+        return self._channel
 
     def append(self, positions: ArrayLike, messages: ArrayLike, keys: ArrayLike) -> None:
         """Add one eviction round: positions [n], message index per position [n], keys [n_layers, n, width].
@@ -240,17 +281,28 @@ class EvictedKeySketch:
                               f"and [{len(self.layers)}, n, {width}] (layers {self.layers})")
         if not len(pos):
             return
+        if self._channel is None and self.channel_norm and self.bits < 32:
+            self._channel = np.stack([channel_scales(k[li]) for li in range(len(self.layers))])
         codes = np.empty((len(self.layers), len(pos), code_bytes(self.n_kv_head, self.head_dim, self.bits)), np.uint8)
         scales = np.empty((len(self.layers), len(pos), self.n_kv_head), np.uint16)
         for li in range(len(self.layers)):
-            codes[li], scales[li] = quantize(k[li], self.n_kv_head, self.bits)
+            codes[li], scales[li] = quantize(k[li], self.n_kv_head, self.bits, self._channel_of(li))
         self._codes.append(codes)
         self._scales.append(scales)
         self._positions.append(pos)
         self._messages.append(msg)
 
+    def _channel_of(self, li: int) -> NDArray[np.float32] | None:
+        return None if self._channel is None else self._channel[li]
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Per-store bytes besides the tokens: the channel scales (F32, one per layer and channel)."""
+        return 0 if self._channel is None else int(self._channel.nbytes)
+
     def clear(self) -> None:
         """Forget everything (a full re-read put the history back in the cache; append again from there)."""
+        self._channel = None
         self._codes.clear()
         self._scales.clear()
         self._positions.clear()
@@ -283,7 +335,7 @@ class EvictedKeySketch:
     def keys(self) -> NDArray[np.float32]:
         """The stored rows as scoring sees them, [n_layers, n, width] F32."""
         codes, scales, _, _ = self._packed()
-        return np.stack([dequantize(codes[li], scales[li], self.n_kv_head, self.head_dim, self.bits)
+        return np.stack([dequantize(codes[li], scales[li], self.n_kv_head, self.head_dim, self.bits, self._channel_of(li))
                          for li in range(len(self.layers))]) if len(self.layers) else np.empty((0, 0, 0), np.float32)
 
     def score(self, queries: Any, renormalise: bool = False) -> SketchScore:
@@ -299,6 +351,6 @@ class EvictedKeySketch:
         for li, il in enumerate(self.layers):
             qi = have[il]
             out[li] = score_layer(codes[li], scales[li], self.n_kv_head, self.head_dim, self.bits, queries.q[qi],
-                                  queries.lse[qi], float(queries.kq_scale[qi]), renormalise)
+                                  queries.lse[qi], float(queries.kq_scale[qi]), renormalise, self._channel_of(li))
         return SketchScore(layers=np.asarray(self.layers, dtype=np.int32), positions=pos.copy(), messages=msg.copy(),
                            per_head=out)

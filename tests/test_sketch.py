@@ -61,6 +61,26 @@ def test_f32_scoring_is_numpy_exactly(renormalise: bool) -> None:
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_channel_scales_round_trip_like_numpy_and_shrink_the_error(bits: int) -> None:
+    rng = np.random.default_rng(5)
+    k = _keys(rng, 200, 2, 64)
+    k[:, 3] *= 40.0  # one outlier channel, as RoPE'd keys have
+    c = sketch.channel_scales(k)
+    got = sketch.dequantize(*sketch.quantize(k, 2, bits, c), 2, 64, bits, c)
+    np.testing.assert_array_equal(got, sketch.reference_quantize(k, 2, bits, c))
+    plain = sketch.dequantize(*sketch.quantize(k, 2, bits), 2, 64, bits)
+    q, lse = _queries(rng, 3, 14, 64)
+    exact = sketch.reference_score(k, q, lse, 0.125)
+    with_c = sketch.score_layer(*sketch.quantize(k, 2, bits, c), 2, 64, bits, q, lse, 0.125, channel_scale=c)
+    np.testing.assert_allclose(with_c, sketch.reference_score(got, q, lse, 0.125), rtol=2e-5)
+    err_c = np.abs(np.log(with_c / exact)).mean()
+    err_plain = np.abs(np.log(sketch.reference_score(plain, q, lse, 0.125) / exact)).mean()
+    assert err_c < 0.7 * err_plain
+    with pytest.raises(sketch.SketchError, match="channel_scale"):
+        sketch.quantize(k, 2, bits, np.zeros(128, np.float32))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_quantised_scoring_is_numpy_on_the_same_codes_and_within_the_bound(bits: int) -> None:
     rng = np.random.default_rng(3)
     n_kv, d, n_head = 2, 64, 14
@@ -94,8 +114,11 @@ def test_store_append_drop_clear_and_per_message() -> None:
     k2 = rng.standard_normal((3, 10, 128)).astype(np.float32)
     sk.append(pos1, msg1, k1)
     sk.append(pos2, msg2, k2)
-    assert sk.n_tokens == 30 and sk.bytes_per_token == 3 * (128 + 4) + 8 and sk.nbytes == 30 * sk.bytes_per_token
-    np.testing.assert_array_equal(sk.keys()[1], sketch.reference_quantize(np.concatenate([k1[1], k2[1]]), 2, 8))
+    assert sk.n_tokens == 30 and sk.bytes_per_token == 3 * (128 + 4) + 8
+    assert sk.channel_scale is not None and sk.nbytes == 30 * sk.bytes_per_token + 3 * 128 * 4
+    np.testing.assert_array_equal(sk.channel_scale[1], np.abs(k1[1]).max(axis=0))  # from the first round
+    np.testing.assert_array_equal(sk.keys()[1], sketch.reference_quantize(np.concatenate([k1[1], k2[1]]), 2, 8,
+                                                                          sk.channel_scale[1]))
 
     q = rng.standard_normal((4, 3, 14, 64)).astype(np.float32)  # queries for layers 5, 11, 15, 20
     lse = np.full((4, 3, 14), 6.0, dtype=np.float32)

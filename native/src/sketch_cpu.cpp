@@ -94,6 +94,7 @@ void dequantize_row(int64_t n_kv_head, int64_t head_dim, int32_t bits, const uin
         std::memcpy(k, code, static_cast<size_t>(w) * sizeof(float));
         return;
     }
+    // (the channel scales are applied by the callers: scoring folds them into the query)
     for (int64_t h = 0; h < n_kv_head; ++h) {
         const float s = from_half(scale[h]);
         float *dst = k + h * head_dim;
@@ -118,7 +119,8 @@ void dequantize_row(int64_t n_kv_head, int64_t head_dim, int32_t bits, const uin
 extern "C" {
 
 CERTCHAT_API int certchat_sketch_quantize(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits,
-                                          const float *k, uint8_t *codes, uint16_t *scales) {
+                                          const float *channel_scale, const float *k, uint8_t *codes,
+                                          uint16_t *scales) {
     certchat::clear_error();
     const int rc = check_shape(n, n_kv_head, head_dim, bits);
     if (rc != CERTCHAT_OK || n == 0) {
@@ -130,8 +132,26 @@ CERTCHAT_API int certchat_sketch_quantize(int64_t n, int64_t n_kv_head, int64_t 
     const int64_t w = n_kv_head * head_dim;
     const int64_t rb = row_bytes(n_kv_head, head_dim, bits);
     const float qmax = bits == 8 ? 127.0f : 7.0f;
+    int crc = CERTCHAT_OK;
+    for (int64_t j = 0; channel_scale && j < w && crc == CERTCHAT_OK; ++j) {
+        if (!(channel_scale[j] > 0.0f) || !std::isfinite(channel_scale[j])) {
+            crc = certchat::fail(CERTCHAT_ERR_INVALID, "sketch_quantize: channel_scale[%lld] = %g, need finite > 0",
+                                 static_cast<long long>(j), static_cast<double>(channel_scale[j]));
+        }
+    }
+    if (crc != CERTCHAT_OK) {
+        return crc;
+    }
+    std::vector<float> xn(static_cast<size_t>(w));
     for (int64_t i = 0; i < n; ++i) {
         const float *x = k + i * w;
+        if (channel_scale && bits < 32) {
+            // quantise k / c: the channel scales take the outlier channels of RoPE'd keys out of the row scale
+            for (int64_t j = 0; j < w; ++j) {
+                xn[static_cast<size_t>(j)] = x[j] / channel_scale[j];
+            }
+            x = xn.data();
+        }
         uint8_t *code = codes + i * rb;
         bool absent = false;
         for (int64_t j = 0; j < w; ++j) {
@@ -181,7 +201,8 @@ CERTCHAT_API int certchat_sketch_quantize(int64_t n, int64_t n_kv_head, int64_t 
 }
 
 CERTCHAT_API int certchat_sketch_dequantize(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits,
-                                            const uint8_t *codes, const uint16_t *scales, float *k) {
+                                            const float *channel_scale, const uint8_t *codes,
+                                            const uint16_t *scales, float *k) {
     certchat::clear_error();
     const int rc = check_shape(n, n_kv_head, head_dim, bits);
     if (rc != CERTCHAT_OK || n == 0) {
@@ -192,14 +213,18 @@ CERTCHAT_API int certchat_sketch_dequantize(int64_t n, int64_t n_kv_head, int64_
     }
     const int64_t rb = row_bytes(n_kv_head, head_dim, bits);
     for (int64_t i = 0; i < n; ++i) {
-        dequantize_row(n_kv_head, head_dim, bits, codes + i * rb, bits < 32 ? scales + i * n_kv_head : nullptr,
-                       k + i * n_kv_head * head_dim);
+        float *row = k + i * n_kv_head * head_dim;
+        dequantize_row(n_kv_head, head_dim, bits, codes + i * rb, bits < 32 ? scales + i * n_kv_head : nullptr, row);
+        for (int64_t j = 0; channel_scale && bits < 32 && j < n_kv_head * head_dim; ++j) {
+            row[j] *= channel_scale[j];
+        }
     }
     return CERTCHAT_OK;
 }
 
 CERTCHAT_API int certchat_sketch_score(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits,
-                                       const uint8_t *codes, const uint16_t *scales, int64_t n_rows,
+                                       const float *channel_scale, const uint8_t *codes,
+                                       const uint16_t *scales, int64_t n_rows,
                                        int64_t n_head, const float *q, const float *lse, float kq_scale,
                                        int32_t renormalise, float *out) {
     certchat::clear_error();
@@ -261,7 +286,9 @@ CERTCHAT_API int certchat_sketch_score(int64_t n, int64_t n_kv_head, int64_t hea
     }
 
     std::vector<float> s(static_cast<size_t>(n));
+    std::vector<float> qc(static_cast<size_t>(head_dim));
     for (int64_t h = 0; h < n_head; ++h) {
+        const float *c_h = channel_scale && bits < 32 ? channel_scale + (h / n_gqa) * head_dim : nullptr;
         const float *k_h = kt.data() + (h / n_gqa) * head_dim * n;
         float *o = out + h * n;
         int64_t n_valid = 0;
@@ -271,9 +298,13 @@ CERTCHAT_API int certchat_sketch_score(int64_t n, int64_t n_kv_head, int64_t hea
             }
             ++n_valid;
             const float *qr = q + (r * n_head + h) * head_dim;
+            // q . (c * k_code) = (q * c) . k_code: the channel scales fold into the query
+            for (int64_t d = 0; d < head_dim; ++d) {
+                qc[static_cast<size_t>(d)] = c_h ? qr[d] * c_h[d] : qr[d];
+            }
             std::fill(s.begin(), s.end(), 0.0f);
             for (int64_t d = 0; d < head_dim; ++d) {
-                const float qd = qr[d];
+                const float qd = qc[static_cast<size_t>(d)];
                 const float *kd = k_h + d * n;
                 float *sp = s.data();
                 for (int64_t i = 0; i < n; ++i) {
