@@ -1,6 +1,7 @@
 // The evicted-key sketch: quantised K rows of evicted tokens, scored against the question's query rows
 // on the scale of the kept cells' softmax (docs/POISSON.md, "Phase 1"). Stateless: the caller owns the
 // storage (native/sketch.py keeps it per conversation).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -111,6 +112,75 @@ void dequantize_row(int64_t n_kv_head, int64_t head_dim, int32_t bits, const uin
                 dst[d + 1] = s * static_cast<float>(static_cast<int>(b >> 4) - 8);
             }
         }
+    }
+}
+
+// x86: an AVX2 clone of the two hot loops, picked at load time (the library itself targets baseline x86-64)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CERTCHAT_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define CERTCHAT_HOT
+#endif
+
+// out [n_q][n] = Q [n_q][d] . Kt [d][n]: blocks of 4 queries over chunks of 256 keys, so a chunk of Kt is read
+// from cache once per 4 queries and the products run along the keys (vectorised without reassociation)
+CERTCHAT_HOT void sketch_logits(int64_t n, int64_t d, int64_t n_q, const float *qm, const float *kt, float *out) {
+    constexpr int64_t CH = 256;
+    float acc[4][CH];
+    for (int64_t i0 = 0; i0 < n; i0 += CH) {
+        const int64_t m = std::min<int64_t>(CH, n - i0);
+        for (int64_t b = 0; b < n_q; b += 4) {
+            const int64_t nb = std::min<int64_t>(4, n_q - b);
+            for (int64_t j = 0; j < 4; ++j) {
+                std::fill(acc[j], acc[j] + CH, 0.0f);
+            }
+            for (int64_t c = 0; c < d; ++c) {
+                const float *kc = kt + c * n + i0;
+                const float q0 = qm[(b + 0) * d + c];
+                const float q1 = nb > 1 ? qm[(b + 1) * d + c] : 0.0f;
+                const float q2 = nb > 2 ? qm[(b + 2) * d + c] : 0.0f;
+                const float q3 = nb > 3 ? qm[(b + 3) * d + c] : 0.0f;
+                for (int64_t i = 0; i < m; ++i) {
+                    const float k = kc[i];
+                    acc[0][i] += q0 * k;
+                    acc[1][i] += q1 * k;
+                    acc[2][i] += q2 * k;
+                    acc[3][i] += q3 * k;
+                }
+            }
+            for (int64_t j = 0; j < nb; ++j) {
+                std::copy(acc[j], acc[j] + m, out + (b + j) * n + i0);
+            }
+        }
+    }
+}
+
+// e[i] = exp(e[i] - l) for present tokens, else 0: 2^(y) with y = x log2(e) split into an integer and a
+// fraction in [-1/2, 1/2], a degree-6 polynomial for 2^f (relative error ~2e-7) and the exponent set by bits;
+// branch-free so that it vectorises (std::exp does not), 0 below e^-87
+CERTCHAT_HOT void sketch_exp(int64_t n, float *e, float l, const uint8_t *present) {
+    for (int64_t i = 0; i < n; ++i) {
+        float x = e[i] - l;
+        const bool keep = present[i] != 0 && x > -87.0f;
+        x = x > 88.0f ? 88.0f : x;
+        x = x < -87.0f ? -87.0f : x;
+        const float y = x * 1.44269504088896341f;
+        // round to nearest even by the 1.5 * 2^23 trick (|y| < 2^22): no libm call, so the loop vectorises
+        const float fl = (y + 12582912.0f) - 12582912.0f;
+        const float f = (y - fl) * 0.693147180559945309f;  // 2^(y - fl) = e^f, |f| <= 0.347
+        float p = 1.0f / 720.0f;
+        p = p * f + 1.0f / 120.0f;
+        p = p * f + 1.0f / 24.0f;
+        p = p * f + 1.0f / 6.0f;
+        p = p * f + 0.5f;
+        p = p * f + 1.0f;
+        p = p * f + 1.0f;
+        int32_t bits;
+        std::memcpy(&bits, &p, 4);
+        bits += static_cast<int32_t>(fl) * (1 << 23);
+        float r;
+        std::memcpy(&r, &bits, 4);
+        e[i] = keep ? r : 0.0f;
     }
 }
 
@@ -285,11 +355,27 @@ CERTCHAT_API int certchat_sketch_score(int64_t n, int64_t n_kv_head, int64_t hea
         }
     }
 
-    std::vector<float> s(static_cast<size_t>(n));
-    std::vector<float> qc(static_cast<size_t>(head_dim));
+    // logits of every (head, row) with data against every token: S [n_head][n_rows][n] (kernel below)
+    std::vector<float> qc(static_cast<size_t>(n_head * n_rows * head_dim), 0.0f);
     for (int64_t h = 0; h < n_head; ++h) {
         const float *c_h = channel_scale && bits < 32 ? channel_scale + (h / n_gqa) * head_dim : nullptr;
-        const float *k_h = kt.data() + (h / n_gqa) * head_dim * n;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            // q . (c * k_code) = (q * c) . k_code: the channel scales fold into the query, and so does kq_scale
+            const float *qr = q + (r * n_head + h) * head_dim;
+            float *dst = qc.data() + (h * n_rows + r) * head_dim;
+            for (int64_t d = 0; d < head_dim && valid[static_cast<size_t>(r * n_head + h)]; ++d) {
+                dst[d] = kq_scale * (c_h ? qr[d] * c_h[d] : qr[d]);
+            }
+        }
+    }
+    std::vector<float> logits(static_cast<size_t>(n_head * n_rows * n));
+    for (int64_t hk = 0; hk < n_kv_head; ++hk) {
+        // the query heads of one KV head are adjacent: n_gqa * n_rows query vectors against one key matrix
+        sketch_logits(n, head_dim, n_gqa * n_rows, qc.data() + hk * n_gqa * n_rows * head_dim,
+                      kt.data() + hk * head_dim * n, logits.data() + hk * n_gqa * n_rows * n);
+    }
+
+    for (int64_t h = 0; h < n_head; ++h) {
         float *o = out + h * n;
         int64_t n_valid = 0;
         for (int64_t r = 0; r < n_rows; ++r) {
@@ -297,30 +383,15 @@ CERTCHAT_API int certchat_sketch_score(int64_t n, int64_t n_kv_head, int64_t hea
                 continue;
             }
             ++n_valid;
-            const float *qr = q + (r * n_head + h) * head_dim;
-            // q . (c * k_code) = (q * c) . k_code: the channel scales fold into the query
-            for (int64_t d = 0; d < head_dim; ++d) {
-                qc[static_cast<size_t>(d)] = c_h ? qr[d] * c_h[d] : qr[d];
-            }
-            std::fill(s.begin(), s.end(), 0.0f);
-            for (int64_t d = 0; d < head_dim; ++d) {
-                const float qd = qc[static_cast<size_t>(d)];
-                const float *kd = k_h + d * n;
-                float *sp = s.data();
-                for (int64_t i = 0; i < n; ++i) {
-                    sp[i] += qd * kd[i];
-                }
-            }
-            const float l = lse[r * n_head + h];
+            float *e = logits.data() + (h * n_rows + r) * n;
+            sketch_exp(n, e, lse[r * n_head + h], present.data());
             double z = 1.0;
-            for (int64_t i = 0; i < n; ++i) {
-                const float e = present[static_cast<size_t>(i)] ? std::exp(kq_scale * s[static_cast<size_t>(i)] - l) : 0.0f;
-                s[static_cast<size_t>(i)] = e;
-                z += e;
+            for (int64_t i = 0; renormalise && i < n; ++i) {
+                z += e[i];
             }
             const float inv = renormalise ? static_cast<float>(1.0 / z) : 1.0f;
             for (int64_t i = 0; i < n; ++i) {
-                o[i] += s[static_cast<size_t>(i)] * inv;
+                o[i] += e[i] * inv;
             }
         }
         if (n_valid > 1) {
