@@ -63,11 +63,6 @@ LLAMA_FLAGS = (
     "-DCMAKE_BUILD_RPATH=$ORIGIN",
 )
 CUDA_FLAGS = ("-DGGML_CUDA=ON", "-DGGML_CUDA_FA=OFF", "-DGGML_CUDA_NCCL=OFF")
-# GGML_NATIVE compiles ggml's AMX kernels on CPUs that advertise AMX, but their tile instructions raise
-# SIGILL on worker threads where the kernel or a sandbox has not granted tile state (seen on a Sapphire
-# Rapids VM: the first matmul killed the process). AVX-512 stays; an explicit -mno-* wins over -march=native.
-X86_FLAGS = ("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
-             "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
 
 
 class BuildError(RuntimeError):
@@ -259,10 +254,15 @@ def _core_sources() -> list[Path]:
     return sorted(p for p in CORE_SRC_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
+# GGML_NATIVE compiles for the build machine; on a Xeon that reports AMX, ggml then takes its AMX kernels, which
+# die with SIGILL in a VM that does not grant the tile state (this machine). AVX-512 and the rest stay native.
+X86_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def llama_flags(opts: BuildOptions, cuda_arch: str | None) -> list[str]:
     flags = list(LLAMA_FLAGS)
     if platform.machine().lower() in ("x86_64", "amd64"):
-        flags += list(X86_FLAGS)
+        flags += [f"-DCMAKE_C_FLAGS={X86_NO_AMX}", f"-DCMAKE_CXX_FLAGS={X86_NO_AMX}"]
     if opts.cuda:
         flags += list(CUDA_FLAGS) + [f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
     return flags

@@ -1,4 +1,5 @@
-"""Bindings for certchat's patch to llama.cpp: per-cell logit bias, KV compaction, attention certificate.
+"""Bindings for certchat's patch to llama.cpp: per-cell logit bias, KV compaction, attention certificate,
+K rows by position and the question's query rows (the evicted-key sketch's inputs).
 
 The patch (``native/patches/*.patch``, documented in docs/PATCH.md) adds C functions to
 libllama; this module declares them with ctypes on the library handle that
@@ -23,11 +24,14 @@ from numpy.typing import ArrayLike, NDArray
 
 from native import runtime
 
-MIN_PATCH_VERSION = 3
-"""The patch level these bindings need (0001 bias, 0002 compaction, 0003 certificate)."""
+MIN_PATCH_VERSION = 4
+"""The patch level these bindings need (0001 bias, 0002 compaction, 0003 certificate, 0004 keys and queries)."""
 
 MAX_WINDOW = 64
 """Most query rows the certificate reports per ubatch (LLAMA_ATTN_CERT_MAX_WINDOW)."""
+
+MAX_QUERY_WINDOW = 256
+"""Most query rows ``set_attn_queries`` reports per ubatch (LLAMA_ATTN_Q_MAX_WINDOW)."""
 
 
 class Status(enum.IntEnum):
@@ -77,6 +81,10 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "llama_get_attn_certificate_dims": ([_p, _pi32, _pi32, _pi32, _pi32], _i32),
     "llama_get_attn_certificate": ([_p, _pf32, _pf32, _i32], _i32),
     "llama_get_attn_importance": ([_p, _pf32, _pi32, _i32], _i32),
+    "llama_kv_seq_get_keys": ([_p, _i32, _pi32, _i32, _pi32, _i32, _pf32, ctypes.c_size_t], _i32),
+    "llama_set_attn_queries": ([_p, _pi32, _i32, _i32], _i32),
+    "llama_get_attn_queries_dims": ([_p, _pi32, _pi32, _pi32, _pi32], _i32),
+    "llama_get_attn_queries": ([_p, _pi32, _pf32, _pf32, _pf32, ctypes.c_size_t], _i32),
 }
 
 
@@ -286,3 +294,66 @@ def get_importance(ctx: Any) -> Importance:
         lib().llama_get_attn_importance(ctx, mass.ctypes.data_as(_pf32), pos.ctypes.data_as(_pi32), mass.size),
     )
     return Importance(mass=mass, cell_pos=pos)
+
+
+# -- K rows by position and the question's query rows (patch 0004) ------------------------------
+
+
+def get_keys(ctx: Any, layers: ArrayLike, positions: ArrayLike, seq_id: int = 0) -> NDArray[np.float32]:
+    """The K rows of ``seq_id`` at ``positions`` for model ``layers``, as the cache holds them (after RoPE), in F32.
+
+    Returns [n_layers, n_pos, n_head_kv * head_dim]; rows of positions a layer's cache does not hold are NaN
+    (e.g. outside a sliding window). Read them before ``seq_rm`` removes the cells: one call per eviction round.
+    """
+    lay = _i32_array(layers).reshape(-1)
+    pos = _i32_array(positions).reshape(-1)
+    raw = lib()
+    width = _check("get_keys", raw.llama_kv_seq_get_keys(ctx, seq_id, lay.ctypes.data_as(_pi32), len(lay),
+                                                         pos.ctypes.data_as(_pi32), len(pos), None, 0))
+    out = np.empty((len(lay), len(pos), width), dtype=np.float32)
+    if out.size:
+        _check("get_keys", raw.llama_kv_seq_get_keys(ctx, seq_id, lay.ctypes.data_as(_pi32), len(lay),
+                                                     pos.ctypes.data_as(_pi32), len(pos),
+                                                     out.ctypes.data_as(_pf32), out.size))
+    return out
+
+
+@dataclass(frozen=True)
+class Queries:
+    """The last ubatch's query rows for the listed layers, with the log-sum-exp of their attention logits."""
+
+    layers: NDArray[np.int32]
+    """[n_layers] model layers, ascending."""
+    kq_scale: NDArray[np.float32]
+    """[n_layers] the scale of q.k in the logit (1/sqrt(head_dim) for most models; 1 where q is pre-scaled)."""
+    q: NDArray[np.float32]
+    """[n_layers, n_rows, n_head, head_dim] query rows as they enter the attention (after RoPE); row -1 = last token."""
+    lse: NDArray[np.float32]
+    """[n_layers, n_rows, n_head] log sum_i exp(kq_scale q.k_i + bias_i) over the cells the row saw (its softmax)."""
+
+
+def set_attn_queries(ctx: Any, layers: ArrayLike | None, n_window: int = 32) -> None:
+    """Report the query rows of ``layers`` for the last ``n_window`` tokens of each ubatch (None or [] = off).
+
+    Turns flash attention off with a warning if the context had it; refused for recurrent and hybrid
+    models and ALiBi models. Costs nothing while off.
+    """
+    lay = _i32_array([] if layers is None else layers).reshape(-1)
+    if len(lay) and not 1 <= n_window <= MAX_QUERY_WINDOW:
+        raise ValueError(f"n_window must be in [1, {MAX_QUERY_WINDOW}], got {n_window}")
+    _check("set_attn_queries", lib().llama_set_attn_queries(ctx, lay.ctypes.data_as(_pi32), len(lay), int(n_window)))
+
+
+def get_attn_queries(ctx: Any) -> Queries:
+    """The query rows and normalisers of the last ubatch; raises :class:`PatchError` if none exist."""
+    raw = lib()
+    dims = [ctypes.c_int32() for _ in range(4)]
+    _check("get_attn_queries", raw.llama_get_attn_queries_dims(ctx, *(ctypes.byref(d) for d in dims)))
+    n_layers, n_rows, n_head, head_dim = (int(d.value) for d in dims)
+    layers = np.empty(n_layers, dtype=np.int32)
+    scale = np.empty(n_layers, dtype=np.float32)
+    q = np.empty((n_layers, n_rows, n_head, head_dim), dtype=np.float32)
+    lse = np.empty((n_layers, n_rows, n_head), dtype=np.float32)
+    _check("get_attn_queries", raw.llama_get_attn_queries(ctx, layers.ctypes.data_as(_pi32), scale.ctypes.data_as(_pf32),
+                                                          q.ctypes.data_as(_pf32), lse.ctypes.data_as(_pf32), q.size))
+    return Queries(layers=layers, kq_scale=scale, q=q, lse=lse)

@@ -5,7 +5,10 @@ Prints both sides of every ratio (the issue's performance section):
 1. certificate + importance on vs off, decode at ``--cells`` live cells (default 4096);
 2. decode speed of a ``--big``-token cache (default 16384) evicted to ``--live`` cells (default 1638)
    and compacted, against the same full cache;
-3. the time of that compaction.
+3. the time of that compaction;
+4. the evicted-key sketch (``--only sketch``): a question prefill of ``--question`` tokens with the query
+   rows on vs off, the K read of one eviction round, and scoring against the sketch, at ``--cells``
+   history with 90% of it evicted, for a few storage settings, with their bytes per evicted token.
 
 Timing on a shared machine is noisy, so the two sides of each comparison are measured as
 interleaved pairs of single decode steps (same moment, same contention) and the script
@@ -30,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from native import llama, patched  # noqa: E402
+from native import llama, patched, sketch  # noqa: E402
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -179,6 +182,80 @@ def bench_compaction(model: llama.Model, args: argparse.Namespace) -> None:
     small.close()
 
 
+class _Prefiller(_Stepper):
+    """Decode a question of several tokens at a fixed position and roll it back."""
+
+    def __init__(self, ctx: llama.Context, pos: int, n: int) -> None:
+        super().__init__(ctx, pos)
+        self.n = n
+        self.batch = llama.Batch(n)
+
+    def step(self, token: int) -> float:
+        toks = [(token + 7 * i) % 7000 + 200 for i in range(self.n)]
+        self.batch.set(toks, list(range(self.pos, self.pos + self.n)), logits="last")
+        t0 = TIMER()
+        self.ctx.decode(self.batch)
+        self.ctx.logits()
+        dt = TIMER() - t0
+        self.ctx.seq_rm(0, self.pos, -1)
+        return dt
+
+
+def _median_time(fn: object, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+SKETCH_SETTINGS = [(list(range(11, 24)), 8), (list(range(11, 24)), 4), ([11, 13, 15, 20, 22], 8),
+                   ([11, 13, 14, 15, 16, 20, 21, 22, 23, 12, 17], 4)]
+
+
+def bench_sketch(model: llama.Model, args: argparse.Namespace) -> None:
+    n, nq = args.cells, args.question
+    layers = list(range(11, 24))
+    params = llama.ContextParams(n_ctx=n + 256, n_batch=args.batch, n_ubatch=args.batch, n_threads=args.threads)
+    off = llama.Context(model, params)
+    on = llama.Context(model, params)
+    dt = _prefill(off, _tokens(n, 1), args.batch, _state_cache(args, n, 1))
+    print(f"[sketch] prefilled {n} tokens in {dt:.1f} s ({n / dt:.1f} tok/s)")
+    on.set_seq_state(off.seq_state(0), 0)
+    patched.set_attn_queries(on.handle, layers, nq)
+    print(f"  question prefill of {nq} tokens at {n} cells, query rows of layers 11-23 off vs on:")
+    ta, tb = _pairs(_Prefiller(off, n, nq), _Prefiller(on, n, nq), max(args.pairs // 4, 5), 4)
+    _report("queries off", ta, "queries on", tb)
+    batch = llama.Batch(nq)
+    batch.set(_tokens(nq, 5), list(range(n, n + nq)), logits="last")
+    on.decode(batch)
+    batch.close()
+    queries = patched.get_attn_queries(on.handle)
+    rng = np.random.default_rng(6)
+    evicted = np.sort(rng.choice(n, size=int(0.9 * n), replace=False)).astype(np.int32)
+    t_keys = _median_time(lambda: patched.get_keys(on.handle, layers, evicted), 5)
+    print(f"  get_keys: {len(evicted)} positions x {len(layers)} layers (one eviction round): {t_keys * 1e3:.2f} ms")
+    keys = patched.get_keys(on.handle, layers, evicted)
+    msgs = evicted // 40
+    width = keys.shape[2]
+    for lay, bits in SKETCH_SETTINGS:
+        sel = [layers.index(x) for x in lay]
+        sk = sketch.EvictedKeySketch(layers=tuple(lay), n_kv_head=2, head_dim=width // 2, bits=bits)
+        t_add = _median_time(lambda: (sk.clear(), sk.append(evicted, msgs, keys[sel])), 3)
+        for rows in (nq, 8):
+            q = patched.Queries(layers=queries.layers, kq_scale=queries.kq_scale, q=queries.q[:, -rows:],
+                                lse=queries.lse[:, -rows:])
+            t_score = _median_time(lambda: sk.score(q).per_message(), 5)
+            print(f"  sketch {len(lay):2d} layers int{bits}: {sk.bytes_per_token:5d} B/evicted token "
+                  f"(+{sk.overhead_bytes} B per store), append {t_add * 1e3:7.2f} ms, "
+                  f"score {len(evicted)} tokens x {rows:2d} rows {t_score * 1e3:7.2f} ms")
+    for lay_n, bits in ((24, 32), (24, 8), (13, 8), (13, 4), (11, 4), (5, 8)):
+        print(f"  bytes per evicted token, {lay_n:2d} layers, {bits:2d} bits: {sketch.bytes_per_token(lay_n, 2, width // 2, bits)}")
+    off.close()
+    on.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="GGUF file (the issue: qwen2.5-coder-0.5b)")
@@ -190,7 +267,8 @@ def main() -> int:
     ap.add_argument("--live", type=int, default=1638, help="cells kept after eviction")
     ap.add_argument("--pairs", type=int, default=40, help="interleaved decode pairs per comparison")
     ap.add_argument("--gpu-layers", type=int, default=0, help="offload layers (and the KV cache) to the GPU")
-    ap.add_argument("--only", choices=["certificate", "compaction"], help="run one part")
+    ap.add_argument("--only", choices=["certificate", "compaction", "sketch"], help="run one part")
+    ap.add_argument("--question", type=int, default=32, help="question tokens (sketch: query rows reported)")
     ap.add_argument("--timer", choices=["wall", "cpu"], default="wall", help="wall clock or process CPU time")
     ap.add_argument("--state-cache", type=Path, help="keep prefilled states here and reuse them (a 16k state is ~200 MB)")
     args = ap.parse_args()
@@ -204,6 +282,8 @@ def main() -> int:
         bench_certificate(model, args)
     if args.only in (None, "compaction"):
         bench_compaction(model, args)
+    if args.only in (None, "sketch"):
+        bench_sketch(model, args)
     model.close()
     return 0
 

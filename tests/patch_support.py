@@ -135,6 +135,7 @@ def make_driver(
     n_batch: int = 512,
     flash_attn: bool = False,
     kv_type: int = GGML_TYPE_F16,
+    v_type: int | None = None,
     n_seq_max: int = 1,
     kv_unified: bool = True,
     swa_full: bool = True,
@@ -153,7 +154,7 @@ def make_driver(
     cp.n_threads_batch = n_threads
     cp.flash_attn_type = 1 if flash_attn else 0
     cp.type_k = kv_type
-    cp.type_v = kv_type
+    cp.type_v = kv_type if v_type is None else v_type
     cp.no_perf = True
     if capture is not None:
         cp.cb_eval = capture.callback

@@ -191,6 +191,39 @@ CERTCHAT_API double certchat_chi2_quantile(double p, double dof);
 /* F quantile with (d1, d2) > 0 degrees of freedom, p in (0, 1); NaN outside. */
 CERTCHAT_API double certchat_f_quantile(double p, double d1, double d2);
 
+/* ---- Evicted-key sketch (CPU library only; docs/POISSON.md, "Phase 1") ----
+ *
+ * A row is one evicted token's K for one layer: n_kv_head heads of head_dim values.
+ * bits = 8 or 4: symmetric per-(row, head) quantisation, scale = max|x| / qmax (qmax = 127 or 7),
+ * stored as IEEE half (raw uint16 bits); codes are int8, or two 4-bit values per byte (value + 8,
+ * low nibble first). bits = 32: the F32 row itself (scales unused). Row bytes:
+ * n_kv_head * head_dim * bits / 8 (+ 2 * n_kv_head for the scales when bits < 32).
+ * A row holding NaN (a position the cache did not have) is stored as absent: it scores 0.
+ * channel_scale [n_kv_head * head_dim] (> 0, or NULL = ones; ignored for bits 32): the rows quantised are
+ * k / channel_scale, so that the few large channels of RoPE'd keys do not set every row's step; the
+ * same array must be passed to dequantize and score (which folds it into the query). */
+
+/* k: [n][n_kv_head * head_dim] F32 -> codes [n][row bytes], scales [n][n_kv_head] (may be NULL for bits 32). */
+CERTCHAT_API int certchat_sketch_quantize(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits,
+                                          const float *channel_scale, const float *k, uint8_t *codes,
+                                          uint16_t *scales);
+
+/* The inverse (for tests and the numpy reference): codes -> k [n][n_kv_head * head_dim], NaN for absent rows. */
+CERTCHAT_API int certchat_sketch_dequantize(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits,
+                                            const float *channel_scale, const uint8_t *codes,
+                                            const uint16_t *scales, float *k);
+
+/* Score one layer's rows against the question's query rows q [n_rows][n_head][head_dim] with their
+ * log-sum-exp lse [n_rows][n_head] (the graph's softmax over the kept cells, biases included):
+ *   e(r, h, i) = exp(kq_scale * q(r, h) . k_i(h / (n_head / n_kv_head)) - lse(r, h))
+ * (renormalise != 0: divided by 1 + sum_i e(r, h, i), i.e. put on a softmax over kept + these rows),
+ * out [n_head][n] = mean over the rows of e (rows whose q or lse is NaN are skipped; none: 0). */
+CERTCHAT_API int certchat_sketch_score(int64_t n, int64_t n_kv_head, int64_t head_dim, int32_t bits,
+                                       const float *channel_scale, const uint8_t *codes,
+                                       const uint16_t *scales, int64_t n_rows,
+                                       int64_t n_head, const float *q, const float *lse, float kq_scale,
+                                       int32_t renormalise, float *out);
+
 /* ---- CUDA library only ---- */
 
 /* Number of usable CUDA devices (0 without a driver or device). */
