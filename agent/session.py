@@ -139,11 +139,12 @@ class ChatSession:
     def open(self, conversation_id: int, on_event: EventSink = _ignore) -> None:
         """Continue a logged conversation: its exact tokens are re-prefilled (``Rereading`` events report the
         progress), then evicted to budget."""
-        self.store.get_conversation(conversation_id)
+        self.store.claim_conversation(conversation_id)
         self.conversation_id = conversation_id
         self._copy = None
         self.engine.reset()
         self.memory.reset()
+        self.memory.round = self.store.next_eviction_round(conversation_id)
         self._segments = []
         self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired)
                             for i, t in enumerate(self.store.turns(conversation_id))]
@@ -178,7 +179,7 @@ class ChatSession:
         tokens = self._tokenize(suffix, first=not self._segments)
         room = self.engine.n_ctx - self.config.max_tokens - 16
         if len(tokens) > room:
-            self.store.set_message_status(user.id, "complete")
+            self.store.mark_refused(user.id, "too long")
             raise InputError(
                 f"your message is {len(tokens)} tokens but the context has room for {room} "
                 f"(n_ctx {self.engine.n_ctx} minus {self.config.max_tokens} for the answer): shorten it or "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,10 @@ class Model:
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
+        # Some virtual machines report AMX but trap its instructions (SIGILL in ggml's AMX matmul):
+        # CERTCHAT_EXTRA_BUFFERS=0 keeps the weights in plain CPU buffers (no AMX/repacked layouts).
+        if os.environ.get("CERTCHAT_EXTRA_BUFFERS", "1") == "0":
+            params.use_extra_bufts = False
         handle = self._lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not handle:
             raise ModelLoadError(f"llama.cpp could not load {self.path} (unsupported architecture or damaged file)")
