@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # the last line of defence: one line, the traceback goes to the log file
+        from agent import cli_errors  # noqa: PLC0415
+
+        return cli_errors.report(getattr(args, "command", None), err)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from typing import Any
 
 from agent import events as ev
 from agent import config as config_mod
-from agent import models, paths
+from agent import cli_errors, models, paths
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -67,7 +67,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     from agent.session import InputError  # noqa: PLC0415
 
     cfg = config_from_args(args)
-    text = " ".join(args.text) if args.text else sys.stdin.read()
+    text = " ".join(args.text) if args.text else cli_errors.read_stdin("ask")
     if not text.strip():
         print("certchat ask: empty message; pass the text as arguments or on stdin", file=sys.stderr)
         return 2
@@ -91,6 +91,7 @@ def _cmd_repl(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     session = open_session(cfg, args.db, args.conversation)
     tty = sys.stdin.isatty()
+    cli_errors.tolerant_stdin()
     if tty:
         print(f"certchat — conversation {session.conversation_id}, policy {cfg.policy}, budget {cfg.budget}. "
               "Ctrl-D quits, Ctrl-C stops an answer.", file=sys.stderr)
@@ -102,6 +103,7 @@ def _cmd_repl(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 0
+        line = cli_errors.clean_line(line, "repl")
         if not line.strip():
             continue
         try:
@@ -190,5 +192,7 @@ def _guard(func: Any) -> Any:
                 TemplateError) as err:
             print(f"certchat {args.command}: {err}", file=sys.stderr)
             return 1
+        except Exception as err:  # DesignError mid-turn, a stock libllama, …: one line, never a traceback
+            return cli_errors.report(args.command, err)
 
     return run

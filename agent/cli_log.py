@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from agent import paths
-from memory_store import Conversation, DatabaseMissingError, Message, Store, StoreError
+from memory_store import Conversation, DatabaseMissingError, DiskFullError, Message, ReadOnlyError, Store, StoreError
 from memory_store.export import export_jsonl, export_markdown, import_jsonl
 
 Handler = Callable[[argparse.Namespace], int]
@@ -32,11 +35,14 @@ def _db(args: argparse.Namespace) -> Path:
 
 
 def _open(args: argparse.Namespace, *, create: bool = False) -> Store | None:
-    """The store, or None when the database does not exist yet (read-only commands)."""
+    """The store, or None when the database does not exist yet (read-only commands). A log that cannot be
+    written (read-only data dir, full disk) is opened read-only: reading it needs no write."""
     try:
         return Store(_db(args), create=create)
     except DatabaseMissingError:
         return None
+    except (ReadOnlyError, DiskFullError):
+        return Store(_db(args), create=False, read_only=True)
 
 
 def _safe(text: str) -> str:
@@ -136,20 +142,57 @@ def _export(args: argparse.Namespace) -> int:
         raise StoreError(f"{_db(args)}: no conversation {args.id} (the database does not exist)")
     with store:
         store.get_conversation(args.id)  # fail before creating an output file
-        out: IO[str]
-        if args.output and args.output != "-":
-            out = open(args.output, "w", encoding="utf-8", newline="\n")
-        else:
-            out = sys.stdout
-        try:
+
+        def write(out: IO[str]) -> None:
             if args.format == "jsonl":
                 export_jsonl(store, args.id, out, tokens=not args.no_tokens)
             else:
                 export_markdown(store, args.id, out)
-        finally:
-            if out is not sys.stdout:
-                out.close()
+
+        if args.output and args.output != "-":
+            _write_atomically(Path(args.output), write)
+        else:
+            write(sys.stdout)
     return 0
+
+
+def _write_atomically(path: Path, write: Callable[[IO[str]], None]) -> None:
+    """Write through a temporary file beside ``path``, renamed over it only once complete: a failed export
+    leaves no half-written file (and an existing one untouched)."""
+    path = path.expanduser()
+    if path.is_dir():
+        raise StoreError(f"cannot export to {path}: it is a directory; give a file name, e.g. {path / 'chat.jsonl'}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise StoreError(f"cannot export to {path}: the directory {parent} does not exist; create it first")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    except OSError as error:
+        raise StoreError(_export_failure(path, error)) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as error:
+        os.unlink(tmp)
+        raise StoreError(_export_failure(path, error)) from None
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _export_failure(path: Path, error: OSError) -> str:
+    why = {
+        errno.ENOSPC: "the disk is full; free some space",
+        errno.EDQUOT: "the disk quota is used up; free some space",
+        errno.EFBIG: "the file would be too large for this file system or limit; write it elsewhere",
+        errno.EROFS: "the file system is read-only; write it elsewhere",
+        errno.EACCES: "permission denied; write it somewhere you may write",
+        errno.EPERM: "permission denied; write it somewhere you may write",
+    }.get(error.errno or 0, f"{error.strerror or error}; write it elsewhere")
+    return f"cannot export to {path}: {why} — nothing was written"
 
 
 def _import(args: argparse.Namespace) -> int:

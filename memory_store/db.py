@@ -55,8 +55,8 @@ def describe_sqlite_error(path: Path, error: sqlite3.Error) -> StoreError:
         )
     if name.startswith("SQLITE_IOERR") or "disk I/O error" in text:
         return DiskFullError(
-            f"{path}: disk I/O error — usually a full or failing disk; this write was not saved, everything "
-            "committed before it is kept — check free space (df) and retry"
+            f"{path}: disk I/O error — the disk is full, a file-size limit was reached, or the disk is failing; "
+            "this write was not saved, everything committed before it is kept — free some space (df) and retry"
         )
     if name.startswith("SQLITE_READONLY") or "readonly database" in text:
         return ReadOnlyError(

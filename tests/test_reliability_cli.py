@@ -1,0 +1,172 @@
+"""Bad input and machine faults through the console script: one line naming the problem and the fix, the
+right exit status, no traceback, and the log as it should be afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent import paths
+from memory_store import ReadOnlyError, Store
+from tests.reliability_support import ROOT, cli, env, one_line_error
+
+FAST = ["--model", "smollm2-135m", "--policy", "full", "--max-tokens", "8", "--threads", "2", "--n-ctx", "1024"]
+
+
+@pytest.fixture
+def db() -> Path:
+    with Store(paths.db_path()) as store:
+        conv = store.create_conversation("Kept", model="smollm2-135m")
+        store.append_user_message(conv.id, "The kettle is blue.")
+        store.append_message(conv.id, "assistant", "Noted: blue.")
+    return paths.db_path()
+
+
+def _contents(path: Path) -> list[tuple[str, str]]:
+    with Store(path) as store:
+        return [(m.role, m.content) for c in store.list_conversations() for m in store.messages(c.id)]
+
+
+# -- input that is not UTF-8 -------------------------------------------------------------------
+
+def test_ask_with_non_utf8_stdin_is_answered_and_says_so(small_model: Path) -> None:
+    # The diagnostics log is a full disk: every record would fail to write.
+    paths.logs_dir().mkdir(parents=True, exist_ok=True)
+    (paths.logs_dir() / "certchat.log").symlink_to("/dev/full")
+    r = cli("ask", *FAST, "--json", input=b"caf\xe9 au lait, please\n")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "Logging error" not in r.stderr, r.stderr
+    notes = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(notes) == 2, r.stderr
+    assert "not valid UTF-8" in notes[0] and "replaced with \ufffd" in notes[0]
+    assert "cannot write the diagnostics log" in notes[1] and "diagnostics are off" in notes[1]
+    cid = json.loads(r.stdout.strip().splitlines()[-1])["conversation_id"]
+    with Store(paths.db_path()) as store:
+        user = [m for m in store.messages(cid) if m.role == "user"]
+    assert [m.content for m in user] == ["caf\ufffd au lait, please\n"]
+
+
+def test_repl_with_non_utf8_line_keeps_going(small_model: Path) -> None:
+    r = cli("repl", *FAST, input=b"hello \xff\xfe there\nsecond line\n")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert sum("not valid UTF-8" in line for line in r.stderr.splitlines()) == 1
+    with Store(paths.db_path()) as store:
+        (conv,) = store.list_conversations()
+        users = [m.content for m in store.messages(conv.id) if m.role == "user"]
+    assert users == ["hello \ufffd\ufffd there", "second line"]
+
+
+# -- log export ----------------------------------------------------------------------------------
+
+def test_export_to_a_missing_directory(db: Path, tmp_path: Path) -> None:
+    target = tmp_path / "nowhere" / "out.jsonl"
+    r = cli("log", "export", "1", "-o", str(target))
+    assert r.returncode == 1
+    one_line_error(r.stderr, "does not exist", "create it first")
+    assert not target.parent.exists()
+
+
+def test_export_to_a_directory(db: Path, tmp_path: Path) -> None:
+    r = cli("log", "export", "1", "-o", str(tmp_path))
+    assert r.returncode == 1
+    one_line_error(r.stderr, "is a directory", "give a file name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in tmp_path.iterdir()
+                                                                if not p.name.endswith(".tmp"))
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        # A file-size limit fails writes as a full disk would (EFBIG; SQLite reports SQLITE_FULL).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def _limited(args: list[str], limit: int, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "agent.cli", *args], capture_output=True, env=env(), cwd=ROOT,
+                          preexec_fn=_limit_file_size(limit), timeout=300, input=stdin)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+
+
+def test_export_that_runs_out_of_space_leaves_no_half_file(db: Path, tmp_path: Path) -> None:
+    with Store(db) as store:
+        store.append_user_message(1, "x" * 200_000)
+    target = tmp_path / "out.md"
+    target.write_text("the previous export\n")
+    r = _limited(["log", "export", "1", "--format", "md", "-o", str(target)], 50_000)
+    assert r.returncode == 1
+    one_line_error(r.stderr, f"cannot export to {target}", "nothing was written")
+    assert target.read_text() == "the previous export\n"  # untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["out.md"]  # no temporary file left behind
+    ok = cli("log", "export", "1", "--format", "md", "-o", str(target))
+    assert ok.returncode == 0 and "x" * 1000 in target.read_text()
+
+
+# -- the database on a full or read-only disk ----------------------------------------------------
+
+def test_full_disk_during_import_names_it_and_keeps_the_log(db: Path, tmp_path: Path) -> None:
+    before = _contents(db)
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"role": "user", "content": "y" * 3_000_000}) + "\n")
+    size = db.stat().st_size + sum(p.stat().st_size for p in db.parent.glob("*.db-*"))
+    r = _limited(["log", "import", str(big)], size + 200_000)
+    assert r.returncode == 1
+    one_line_error(r.stderr, "disk is full", "everything committed before it is kept", "free some space")
+    assert _contents(db) == before
+
+
+def test_read_only_store_reads_and_refuses_writes_in_one_line(db: Path) -> None:
+    with Store(db, read_only=True) as store:
+        (conv,) = store.list_conversations()
+        assert [m.content for m in store.messages(conv.id)] == ["The kettle is blue.", "Noted: blue."]
+        with pytest.raises(ReadOnlyError, match="read-only.*log list"):
+            store.append_user_message(conv.id, "more")
+    assert _contents(db) == [("user", "The kettle is blue."), ("assistant", "Noted: blue.")]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
+def test_log_list_and_show_on_a_read_only_data_dir(db: Path) -> None:
+    for p in [db.parent, *db.parent.iterdir()]:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    try:
+        r = cli("log", "list")
+        assert r.returncode == 0 and "Kept" in r.stdout, r.stderr
+        r = cli("log", "show", "1")
+        assert r.returncode == 0 and "The kettle is blue." in r.stdout, r.stderr
+    finally:
+        for p in [db.parent, *db.parent.iterdir()]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+# -- ids and libraries ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ident", [str(2**63), str(2**64 + 5), "-1"])
+def test_log_show_with_an_id_out_of_range(db: Path, ident: str) -> None:
+    r = cli("log", "show", "--", ident) if ident.startswith("-") else cli("log", "show", ident)
+    assert r.returncode == 1
+    one_line_error(r.stderr, f"no conversation {ident}")
+    assert _contents(db)[0] == ("user", "The kettle is blue.")
+
+
+def test_native_lib_dir_without_the_library(tmp_path: Path) -> None:
+    r = cli("ask", *FAST, "hello", extra_env={"CERTCHAT_NATIVE_LIB_DIR": str(tmp_path)})
+    assert r.returncode == 1
+    one_line_error(r.stderr, f"CERTCHAT_NATIVE_LIB_DIR={tmp_path}", "no libllama.so", "unset it")
+
+
+def test_native_lib_dir_with_a_library_that_is_not_libllama(tmp_path: Path) -> None:
+    from native import runtime  # noqa: PLC0415
+
+    real = runtime.built_libs().lib_dir
+    (tmp_path / "libllama.so").write_bytes((real / "libggml-base.so").read_bytes())
+    r = cli("ask", *FAST, "hello", extra_env={"CERTCHAT_NATIVE_LIB_DIR": str(tmp_path)})
+    assert r.returncode == 1
+    one_line_error(r.stderr, "libllama.so cannot be used", "certchat build", "CERTCHAT_NATIVE_LIB_DIR")
