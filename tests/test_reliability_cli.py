@@ -170,3 +170,17 @@ def test_native_lib_dir_with_a_library_that_is_not_libllama(tmp_path: Path) -> N
     r = cli("ask", *FAST, "hello", extra_env={"CERTCHAT_NATIVE_LIB_DIR": str(tmp_path)})
     assert r.returncode == 1
     one_line_error(r.stderr, "libllama.so cannot be used", "certchat build", "CERTCHAT_NATIVE_LIB_DIR")
+
+
+# -- models the patched cache cannot serve -------------------------------------------------------
+
+@pytest.mark.parametrize(("arch", "needle"), [("bloom", "uses ALiBi positions"), ("mamba", "is a recurrent model")])
+def test_alibi_and_recurrent_models_are_refused_before_the_first_turn(tmp_path: Path, arch: str, needle: str) -> None:
+    from tests import patch_support as ps  # noqa: PLC0415
+
+    model = ps.tiny_model(arch, tmp_path)
+    r = cli("ask", "--model", str(model), "--policy", "poisson", "--threads", "2", "hello")
+    assert r.returncode == 1
+    one_line_error(r.stderr, needle, "use ")
+    with Store(paths.db_path()) as store:
+        assert store.list_conversations() == []  # refused before anything was logged
