@@ -184,3 +184,25 @@ def test_alibi_and_recurrent_models_are_refused_before_the_first_turn(tmp_path: 
     one_line_error(r.stderr, needle, "use ")
     with Store(paths.db_path()) as store:
         assert store.list_conversations() == []  # refused before anything was logged
+
+
+# -- how an error from the core is rendered ------------------------------------------------------
+
+def test_core_errors_render_as_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent import cli_errors, logs  # noqa: PLC0415
+    from native.patched import NotPatched, PatchError  # noqa: PLC0415
+    from native.poisson import BudgetInfeasible, DesignError  # noqa: PLC0415
+
+    cases = [
+        (DesignError("weights must be finite\nat index 3"), ["eviction core refused this turn",
+                                                              "weights must be finite at index 3", "in the log"]),
+        (BudgetInfeasible("budget 3 below the protected 8 cells"), ["eviction core refused", "--budget"]),
+        (PatchError("llama_set_attn_certificate", -2, "ALiBi model"), ["cannot serve this model", "without ALiBi"]),
+        (NotPatched("libllama is a stock build, certchat needs patch level >= 3: rebuild with `certchat build`"),
+         ["stock build", "certchat build"]),
+        (KeyError("boom"), ["internal error (KeyError", str(logs.log_file()), "please report it"]),
+    ]
+    for err, needles in cases:
+        assert cli_errors.report("ask", err) == 1
+        line = one_line_error(capsys.readouterr().err, "certchat ask: ", *needles)
+        assert "\n" not in line
