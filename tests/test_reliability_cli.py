@@ -206,3 +206,73 @@ def test_core_errors_render_as_one_line(capsys: pytest.CaptureFixture[str]) -> N
         assert cli_errors.report("ask", err) == 1
         line = one_line_error(capsys.readouterr().err, "certchat ask: ", *needles)
         assert "\n" not in line
+
+
+# -- a real full disk and a real read-only file system (root only: a small tmpfs) ------------------
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    """Mount a small tmpfs (where the test may: root on Linux); yields (mount point, remount-read-only)."""
+    point = tmp_path / "fs"
+    point.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(point)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs to mount a tmpfs (root)")
+
+    def read_only() -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+
+    try:
+        yield point, read_only
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def _seed(db_path: Path) -> None:
+    with Store(db_path) as store:
+        conv = store.create_conversation("Kept")
+        store.append_user_message(conv.id, "The kettle is blue.")
+        store.append_message(conv.id, "assistant", "Noted: blue.")
+
+
+def test_read_only_data_dir_lists_and_shows_and_refuses_to_chat(tmpfs, monkeypatch: pytest.MonkeyPatch) -> None:
+    point, read_only = tmpfs
+    monkeypatch.setenv("CERTCHAT_DATA_DIR", str(point))
+    _seed(paths.db_path())
+    read_only()
+    r = cli("log", "list")
+    assert r.returncode == 0 and "Kept" in r.stdout and "Traceback" not in r.stderr, r.stderr
+    r = cli("log", "show", "1")
+    assert r.returncode == 0 and "The kettle is blue." in r.stdout, r.stderr
+    r = cli("ask", *FAST, "--conversation", "1", "more")
+    assert r.returncode == 1
+    one_line_error(r.stderr, "the log is read-only", "log list", "pass --db")
+
+
+def test_full_disk_names_it_keeps_the_log_and_leaves_no_half_export(tmpfs, monkeypatch: pytest.MonkeyPatch) -> None:
+    point, _ = tmpfs
+    monkeypatch.setenv("CERTCHAT_DATA_DIR", str(point / "data"))
+    _seed(paths.db_path())
+    with Store(paths.db_path()) as store:
+        store.append_user_message(1, "y" * 150_000)  # the export needs more room than will be left
+    before = _contents(paths.db_path())
+    filler = point / "filler"
+    with filler.open("wb", buffering=0) as f:  # fill the file system but for ~60 KB
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        except OSError:
+            pass
+    filler.write_bytes(filler.read_bytes()[:-60_000])
+    big = Path(os.environ["CERTCHAT_CONFIG"]).parent / "big.jsonl"
+    big.write_text(json.dumps({"role": "user", "content": "z" * 400_000}) + "\n")
+    r = cli("log", "import", str(big))
+    assert r.returncode == 1
+    one_line_error(r.stderr, "disk", "full", "everything committed before it is kept")
+    assert _contents(paths.db_path()) == before
+    target = point / "out.md"
+    r = cli("log", "export", "1", "--format", "md", "-o", str(target))
+    assert r.returncode == 1
+    one_line_error(r.stderr, f"cannot export to {target}", "the disk is full", "nothing was written")
+    assert not target.exists() and not list(point.glob(".out.md.*"))
