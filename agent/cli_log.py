@@ -21,6 +21,7 @@ from typing import IO, Any
 from agent import paths
 from memory_store import Conversation, DatabaseMissingError, DiskFullError, Message, ReadOnlyError, Store, StoreError
 from memory_store.export import export_jsonl, export_markdown, import_jsonl
+from memory_store.records import NOT_REREAD
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -69,6 +70,7 @@ def _message_json(message: Message) -> dict[str, Any]:
         "n_tokens": None if message.tokens is None else len(message.tokens),
         "first_pos": message.first_pos,
         "created_at": message.created_at,
+        "reread": not any(message.meta.get(key) for key in NOT_REREAD),
     }
 
 
@@ -113,7 +115,10 @@ def _show(args: argparse.Namespace) -> int:
     if conversation.model:
         print(f"model: {_safe(conversation.model)}")
     for m in messages:
-        status = "" if m.status == "complete" else f" ({m.status})"
+        marks = [m.status] if m.status != "complete" else []
+        marks += [f"{key}: {m.meta[key]}" if isinstance(m.meta[key], str) else key
+                  for key in ("refused", "unanswered") if m.meta.get(key)]
+        status = f" ({', '.join(marks)})" if marks else ""
         print(f"\n[{m.index}] {m.role}{status}")
         print(_safe(m.content))
     return 0

@@ -3,6 +3,7 @@ one writer per conversation, unanswered messages of dead writers, ids out of ran
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from memory_store import ConversationBusyError, EvictionRound, NotFoundError, Store
-from tests.reliability_support import env
+from tests.reliability_support import cli, env
 
 HOLDER = """
 import sys, time
@@ -57,6 +58,12 @@ def test_rereadable_leaves_out_refused_unanswered_and_discarded(tmp_path: Path) 
         assert [m.content for m in store.rereadable(cid)] == ["kept", "answer"]
         assert len(store.messages(cid)) == 5  # nothing is deleted
         assert store.get_message(kept.id).meta == {}
+    r = cli("log", "show", "--db", str(tmp_path / "log.db"), str(cid))
+    assert r.returncode == 0, r.stderr
+    assert "[2] user (refused: too long)\nfar too long" in r.stdout
+    assert "[3] user (unanswered: prefill)\ncut off" in r.stdout
+    r = cli("log", "show", "--db", str(tmp_path / "log.db"), "--json", str(cid))
+    assert [m["reread"] for m in json.loads(r.stdout)["messages"]] == [True, True, False, False, False]
 
 
 def test_second_process_is_refused_until_the_holder_dies(tmp_path: Path) -> None:
