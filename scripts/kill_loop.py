@@ -136,6 +136,8 @@ def run(rounds: int, work: Path) -> int:
             if seen != want:
                 missed[want] += 1
         problems = check(db, cid, sent)
+        print(f"round {n}: wanted {want}, killed at {seen or 'none (the turn finished)'}, "
+              f"{len(problems)} problems", flush=True)
         for p in problems:
             print(f"round {n} (killed at {seen or 'none'}): {p}")
         failures += bool(problems)
