@@ -64,6 +64,25 @@ def _cmd_models_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models_verify(args: argparse.Namespace) -> int:
+    from agent import models  # noqa: PLC0415
+
+    names = args.names or list(models.REGISTRY)
+    unknown = [n for n in names if n not in models.REGISTRY]
+    if unknown:
+        print(f"certchat models: unknown model {unknown[0]!r}; known: {', '.join(models.REGISTRY)}", file=sys.stderr)
+        return 2
+    bad = 0
+    for name in names:
+        found = models.state(name, full=True)
+        if found == "damaged":
+            bad += 1
+            print(f"certchat models: {models.damaged_message(name)}", file=sys.stderr)
+        else:
+            print(f"{name:<20} {'ok (sha256 verified)' if found == 'ok' else 'not pulled'}")
+    return 1 if bad else 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from agent import doctor  # noqa: PLC0415
 
@@ -96,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*")
     p.add_argument("--all", action="store_true", help="every model in the registry")
     p.set_defaults(func=_cmd_models_pull)
+    p = models_sub.add_parser("verify", help="rehash pulled models against the registry (finds damaged files)")
+    p.add_argument("names", nargs="*")
+    p.set_defaults(func=_cmd_models_verify)
 
     p = sub.add_parser("doctor", help="versions, the loaded library and whether it carries our patch, paths")
     p.add_argument("--json", action="store_true")
@@ -124,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # the last line of defence: one line, the traceback goes to the log file
+        from agent import cli_errors  # noqa: PLC0415
+
+        return cli_errors.report(getattr(args, "command", None), err)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any
 
 from agent import events as ev
 from agent import config as config_mod
-from agent import models, paths
+from agent import cli_errors, models, paths
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -65,7 +65,7 @@ def _cmd_ask(args: argparse.Namespace) -> int:
     from agent.session import InputError  # noqa: PLC0415
 
     cfg = config_from_args(args)
-    text = " ".join(args.text) if args.text else sys.stdin.read()
+    text = " ".join(args.text) if args.text else cli_errors.read_stdin("ask")
     if not text.strip():
         print("certchat ask: empty message; pass the text as arguments or on stdin", file=sys.stderr)
         return 2
@@ -89,6 +89,7 @@ def _cmd_repl(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     session = open_session(cfg, args.db, args.conversation)
     tty = sys.stdin.isatty()
+    cli_errors.tolerant_stdin()
     if tty:
         print(f"certchat — conversation {session.conversation_id}, policy {cfg.policy}, budget {cfg.budget}. "
               "Ctrl-D quits, Ctrl-C stops an answer.", file=sys.stderr)
@@ -100,6 +101,7 @@ def _cmd_repl(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print(file=sys.stderr)
             return 0
+        line = cli_errors.clean_line(line, "repl")
         if not line.strip():
             continue
         try:
@@ -151,28 +153,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--conversation", type=int, help="continue a logged conversation")
     p.add_argument("--json", action="store_true", help="end with one JSON object describing the turn")
     p.add_argument("text", nargs="*")
-    p.set_defaults(func=guard(_cmd_ask))
+    p.set_defaults(func=cli_errors.guard(_cmd_ask))
 
     p = sub.add_parser("repl", help="plain line-mode chat, for pipes and terminals without a TUI")
     add_common_flags(p)
     p.add_argument("--conversation", type=int, help="continue a logged conversation")
-    p.set_defaults(func=guard(_cmd_repl))
-
-
-def guard(func: Any) -> Any:
-    """Turn the known failure kinds into one-line errors instead of tracebacks."""
-
-    def run(args: argparse.Namespace) -> int:
-        from memory_store.errors import StoreError  # noqa: PLC0415
-        from native.llama import LlamaError  # noqa: PLC0415
-        from native.runtime import NativeNotBuilt  # noqa: PLC0415
-        from agent.template import TemplateError  # noqa: PLC0415
-
-        try:
-            return int(func(args) or 0)
-        except (config_mod.ConfigError, models.ModelError, StoreError, LlamaError, NativeNotBuilt,
-                TemplateError) as err:
-            print(f"certchat {args.command}: {err}", file=sys.stderr)
-            return 1
-
-    return run
+    p.set_defaults(func=cli_errors.guard(_cmd_repl))

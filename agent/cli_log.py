@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from agent import paths
-from memory_store import Conversation, DatabaseMissingError, Message, Store, StoreError
+from agent import cli_errors, paths
+from memory_store import Conversation, DatabaseMissingError, DiskFullError, Message, ReadOnlyError, Store, StoreError
 from memory_store.export import export_jsonl, export_markdown, import_jsonl
+from memory_store.records import NOT_REREAD
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -32,11 +36,14 @@ def _db(args: argparse.Namespace) -> Path:
 
 
 def _open(args: argparse.Namespace, *, create: bool = False) -> Store | None:
-    """The store, or None when the database does not exist yet (read-only commands)."""
+    """The store, or None when the database does not exist yet (read-only commands). A log that cannot be
+    written (read-only data dir, full disk) is opened read-only: reading it needs no write."""
     try:
         return Store(_db(args), create=create)
     except DatabaseMissingError:
         return None
+    except (ReadOnlyError, DiskFullError):
+        return Store(_db(args), create=False, read_only=True)
 
 
 def _safe(text: str) -> str:
@@ -63,6 +70,7 @@ def _message_json(message: Message) -> dict[str, Any]:
         "n_tokens": None if message.tokens is None else len(message.tokens),
         "first_pos": message.first_pos,
         "created_at": message.created_at,
+        "reread": not any(message.meta.get(key) for key in NOT_REREAD),
     }
 
 
@@ -107,7 +115,10 @@ def _show(args: argparse.Namespace) -> int:
     if conversation.model:
         print(f"model: {_safe(conversation.model)}")
     for m in messages:
-        status = "" if m.status == "complete" else f" ({m.status})"
+        marks = [m.status] if m.status != "complete" else []
+        marks += [f"{key}: {m.meta[key]}" if isinstance(m.meta[key], str) else key
+                  for key in ("refused", "unanswered") if m.meta.get(key)]
+        status = f" ({', '.join(marks)})" if marks else ""
         print(f"\n[{m.index}] {m.role}{status}")
         print(_safe(m.content))
     return 0
@@ -136,20 +147,57 @@ def _export(args: argparse.Namespace) -> int:
         raise StoreError(f"{_db(args)}: no conversation {args.id} (the database does not exist)")
     with store:
         store.get_conversation(args.id)  # fail before creating an output file
-        out: IO[str]
-        if args.output and args.output != "-":
-            out = open(args.output, "w", encoding="utf-8", newline="\n")
-        else:
-            out = sys.stdout
-        try:
+
+        def write(out: IO[str]) -> None:
             if args.format == "jsonl":
                 export_jsonl(store, args.id, out, tokens=not args.no_tokens)
             else:
                 export_markdown(store, args.id, out)
-        finally:
-            if out is not sys.stdout:
-                out.close()
+
+        if args.output and args.output != "-":
+            _write_atomically(Path(args.output), write)
+        else:
+            write(sys.stdout)
     return 0
+
+
+def _write_atomically(path: Path, write: Callable[[IO[str]], None]) -> None:
+    """Write through a temporary file beside ``path``, renamed over it only once complete: a failed export
+    leaves no half-written file (and an existing one untouched)."""
+    path = path.expanduser()
+    if path.is_dir():
+        raise StoreError(f"cannot export to {path}: it is a directory; give a file name, e.g. {path / 'chat.jsonl'}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise StoreError(f"cannot export to {path}: the directory {parent} does not exist; create it first")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    except OSError as error:
+        raise StoreError(_export_failure(path, error)) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as error:
+        os.unlink(tmp)
+        raise StoreError(_export_failure(path, error)) from None
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _export_failure(path: Path, error: OSError) -> str:
+    why = {
+        errno.ENOSPC: "the disk is full; free some space",
+        errno.EDQUOT: "the disk quota is used up; free some space",
+        errno.EFBIG: "the file would be too large for this file system or limit; write it elsewhere",
+        errno.EROFS: "the file system is read-only; write it elsewhere",
+        errno.EACCES: "permission denied; write it somewhere you may write",
+        errno.EPERM: "permission denied; write it somewhere you may write",
+    }.get(error.errno or 0, f"{error.strerror or error}; write it elsewhere")
+    return f"cannot export to {path}: {why} — nothing was written"
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -162,19 +210,6 @@ def _import(args: argparse.Namespace) -> int:
 def _path(args: argparse.Namespace) -> int:
     print(_db(args))
     return 0
-
-
-def _guard(handler: Handler) -> Handler:
-    """Print a StoreError as one line on stderr, exit status 1."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except StoreError as error:
-            print(f"certchat: {error}", file=sys.stderr)
-            return 1
-
-    return run
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -193,30 +228,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = actions.add_parser("list", parents=[db_option], help="conversations, most recent first")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--limit", type=int, default=None, help="show at most N conversations")
-    p.set_defaults(func=_guard(_list))
+    p.set_defaults(func=cli_errors.guard(_list, prefix=""))
 
     p = actions.add_parser("show", parents=[db_option], help="one conversation's messages")
     p.add_argument("id", type=int, metavar="ID")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_guard(_show))
+    p.set_defaults(func=cli_errors.guard(_show, prefix=""))
 
     p = actions.add_parser("search", parents=[db_option], help="full-text search over message content")
     p.add_argument("text", metavar="TEXT")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--limit", type=int, default=50)
-    p.set_defaults(func=_guard(_search))
+    p.set_defaults(func=cli_errors.guard(_search, prefix=""))
 
     p = actions.add_parser("export", parents=[db_option], help="write a conversation as replay JSONL or Markdown")
     p.add_argument("id", type=int, metavar="ID")
     p.add_argument("--format", choices=["jsonl", "md"], default="jsonl")
     p.add_argument("-o", "--output", metavar="FILE", default=None, help="write here instead of stdout")
     p.add_argument("--no-tokens", action="store_true", help="JSONL without token ids")
-    p.set_defaults(func=_guard(_export))
+    p.set_defaults(func=cli_errors.guard(_export, prefix=""))
 
     p = actions.add_parser("import", parents=[db_option], help="add a conversation from a replay JSONL file")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--title", default=None)
-    p.set_defaults(func=_guard(_import))
+    p.set_defaults(func=cli_errors.guard(_import, prefix=""))
 
     p = actions.add_parser("path", parents=[db_option], help="print the database path")
     p.set_defaults(func=_path)

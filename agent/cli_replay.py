@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import config as config_mod
-from agent import models, paths
+from agent import cli_errors, paths
 from agent import policies as policies_mod
 
 DEFAULT_POLICIES = ",".join(policies_mod.REPLAY_NAMES)
@@ -69,7 +69,7 @@ def _load_scripts(args: argparse.Namespace) -> list[Any]:
     return scripts
 
 
-class _Usage(ValueError):
+class _Usage(cli_errors.UsageError):
     """Wrong combination of arguments."""
 
 
@@ -336,7 +336,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration-rule", choices=("fillers", "probes"), default="fillers", dest="calibration_rule",
                    help="which τ --write-calibration saves: filler gate rate ≤ 10%% (fillers) or every "
                         "eviction-broken calibration probe gated (probes)")
-    p.set_defaults(func=_guard(_cmd_replay))
+    p.set_defaults(func=cli_errors.guard(_cmd_replay))
 
     demo = sub.add_parser("demo", help="built-in demonstrations")
     demo_sub = demo.add_subparsers(dest="demo_command", metavar="DEMO", required=True)
@@ -345,7 +345,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--quick", action="store_true", help="two scenarios, one seed (a few minutes on 2 CPU cores)")
     d.add_argument("--regenerate-fixtures", action="store_true", dest="regenerate_fixtures",
                    help="regenerate the committed filler replies (full cache, greedy) and exit")
-    d.set_defaults(func=_guard(_cmd_demo_recall30), command="demo")
+    d.set_defaults(func=cli_errors.guard(_cmd_demo_recall30), command="demo")
 
     lg = demo_sub.add_parser("long", help="a long chat (16k tokens by default): recall and time per turn, "
                                           "full against evicted and gated")
@@ -364,32 +364,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--n-ctx", type=int, dest="n_ctx", help="KV cells (default: the longest history + an answer)")
     lg.add_argument("--from-results", type=Path, action="append", dest="from_results",
                     help="print the table and plots of these results folders (e.g. shards) without running")
-    lg.set_defaults(func=_guard(_cmd_demo_long), command="demo")
-
-
-def _guard(func: Any) -> Any:
-    """The known failure kinds as one-line errors, not tracebacks."""
-
-    def run(args: argparse.Namespace) -> int:
-        from agent.replay.aggregate import ResultsError  # noqa: PLC0415
-        from agent.replay.locomo import LocomoError  # noqa: PLC0415
-        from agent.replay.longchat import LongchatError  # noqa: PLC0415
-        from agent.replay.runner import RunError  # noqa: PLC0415
-        from agent.replay.script import ScriptError  # noqa: PLC0415
-        from agent.template import TemplateError  # noqa: PLC0415
-        from memory_store.errors import StoreError  # noqa: PLC0415
-        from native.llama import LlamaError  # noqa: PLC0415
-        from native.runtime import NativeNotBuilt  # noqa: PLC0415
-
-        try:
-            return int(func(args) or 0)
-        except (_Usage, ScriptError, LocomoError, LongchatError, RunError, ResultsError, FileNotFoundError,
-                config_mod.ConfigError, models.ModelError, StoreError, LlamaError, NativeNotBuilt,
-                TemplateError) as err:
-            print(f"certchat {args.command}: {err}", file=sys.stderr)
-            return 1
-        except NotImplementedError as err:
-            print(f"certchat {args.command}: not available yet: {err}", file=sys.stderr)
-            return 1
-
-    return run
+    lg.set_defaults(func=cli_errors.guard(_cmd_demo_long), command="demo")

@@ -7,6 +7,7 @@ README); an invalid value raises :class:`ConfigError` whose one-line message nam
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,10 @@ from agent import paths, policies
 POLICIES = policies.NAMES
 EVICT_AT = ("question", "turn-end")
 DEFAULT_EVICT_AT = "turn-end"
+# Tokens a message needs at least beside the answer's room (max_tokens + 16): a context smaller than that
+# would refuse every message as too long.
+MIN_MESSAGE_ROOM = 64
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repeat_penalty", "top_share", "floor")
 
 
 class ConfigError(ValueError):
@@ -110,6 +115,10 @@ class Config:
         return merged
 
     def validate(self) -> None:
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{name}: must be a finite number, got {value!r}")
         if self.n_ctx < 256:
             raise ConfigError(f"n_ctx: must be at least 256, got {self.n_ctx}")
         if self.n_batch < 1:
@@ -130,6 +139,17 @@ class Config:
             raise ConfigError(f"min_p: must be in [0, 1), got {self.min_p}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens: must be positive, got {self.max_tokens}")
+        if self.n_ctx < self.max_tokens + 16 + MIN_MESSAGE_ROOM:
+            raise ConfigError(
+                f"n_ctx: {self.n_ctx} leaves no room for a message beside max_tokens {self.max_tokens} (needs at "
+                f"least max_tokens + {16 + MIN_MESSAGE_ROOM} = {self.max_tokens + 16 + MIN_MESSAGE_ROOM}); raise "
+                "n_ctx or lower max_tokens")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed: must be in [0, 2^32), got {self.seed}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k: must be 0 or more (0 = no cut-off), got {self.top_k}")
+        if self.repeat_penalty <= 0:
+            raise ConfigError(f"repeat_penalty: must be positive (1.0 disables it), got {self.repeat_penalty}")
         if self.sinks < 0 or self.recent < 0:
             raise ConfigError("sinks/recent: must be 0 or more")
         if self.page_size < 1:
@@ -176,6 +196,8 @@ def parse_gate(value: str | float) -> float | None | str:
         tau = float(text)
     except ValueError:
         raise ConfigError(f"gate: expected a threshold like 0.3, 'auto' or 'off', got {value!r}") from None
+    if not math.isfinite(tau):
+        raise ConfigError(f"gate: threshold must be a finite number (or 'off' to disable the gate), got {value!r}")
     if tau < 0:
         raise ConfigError(f"gate: threshold must be 0 or more, got {value!r}")
     return tau
@@ -190,6 +212,8 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
             return value
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{name}: must be a finite number, got {value!r}")
             return float(value)
     elif kind is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

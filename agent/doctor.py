@@ -44,9 +44,18 @@ def report() -> dict[str, Any]:
         "core_cuda_library": None,
         "errors": [],
     }
-    out["models"] = {
-        name: {"present": models.is_pulled(name), "path": str(models.model_file(name))} for name in models.REGISTRY
-    }
+    out["warnings"] = []
+    if wal_reset_race(sqlite3.sqlite_version):
+        out["warnings"].append(
+            f"Python's SQLite {sqlite3.sqlite_version} is in the range affected by SQLite's WAL-reset race "
+            "(3.7.0–3.51.2, fixed in 3.51.3): certchat writes one log from several connections, so a rare "
+            "interleaving can lose a commit; use a Python whose sqlite3 is 3.51.3 or newer")
+    out["models"] = {}
+    for name in models.REGISTRY:
+        found = models.state(name)
+        out["models"][name] = {"present": found == "ok", "state": found, "path": str(models.model_file(name))}
+        if found == "damaged":
+            out["errors"].append(models.damaged_message(name))
     try:
         libs = runtime.built_libs()
         out["cuda"] = libs.cuda
@@ -71,6 +80,15 @@ def report() -> dict[str, Any]:
     return out
 
 
+def wal_reset_race(version: str) -> bool:
+    """Whether SQLite ``version`` has the WAL-reset race."""
+    try:
+        parts = tuple(int(x) for x in version.split(".")[:3])
+    except ValueError:
+        return False
+    return (3, 7, 0) <= parts <= (3, 51, 2)
+
+
 def render(data: dict[str, Any]) -> str:
     """Human-readable report."""
     yes = {True: "yes", False: "no"}
@@ -86,12 +104,14 @@ def render(data: dict[str, Any]) -> str:
         "models:",
     ]
     for name, info in data["models"].items():
-        lines.append(f"  {name:<20} {'present' if info['present'] else 'not pulled'}  {info['path']}")
+        shown = {"ok": "present", "damaged": "DAMAGED"}.get(info.get("state", ""), "not pulled")
+        lines.append(f"  {name:<20} {shown:<10} {info['path']}")
     lines += [
         f"data dir          : {data['data_dir']}",
         f"cache dir         : {data['cache_dir']}",
         f"config            : {data['config_path']}",
         f"database          : {data['db_path']}",
     ]
+    lines += [f"warning: {text}" for text in data.get("warnings", [])]
     lines += [f"problem: {err}" for err in data["errors"]]
     return "\n".join(lines)

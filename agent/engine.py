@@ -115,10 +115,10 @@ class Engine:
         self.settings = settings
         self.model = llama.Model(settings.model_path, n_gpu_layers=settings.gpu_layers)
         self.info = self.model.info()
-        if self.info.is_recurrent:
-            raise llama.LlamaError(
-                f"{settings.model_path.name} is a recurrent model: it has no KV cache to evict; use a transformer model"
-            )
+        unsupported = self.model.eviction_unsupported()
+        if unsupported:
+            self.model.close()
+            raise llama.LlamaError(unsupported)
         self.ctx = llama.Context(
             self.model,
             llama.ContextParams(n_ctx=settings.n_ctx, n_batch=settings.n_batch, n_ubatch=settings.n_batch,

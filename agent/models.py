@@ -93,13 +93,39 @@ def _stamp(path: Path) -> Path:
 
 
 def is_pulled(name: str) -> bool:
-    """True when the model's file exists and was verified (checked by size + stamp, not rehashed)."""
+    """True when the model's file exists and was verified (checked by size + stamp; rehashed when the file
+    changed after its stamp was written, so a same-size damaged copy is not taken as good)."""
+    return state(name) == "ok"
+
+
+def state(name: str, *, full: bool = False) -> str:
+    """"ok", "missing" (never pulled, or a stamp that does not match) or "damaged" (the right size but
+    the wrong bytes). ``full``: rehash even when the file is older than its stamp (`certchat models verify`)."""
     target = model_file(name)
     stamp = _stamp(target)
-    if not (target.exists() and stamp.exists()):
-        return False
-    recorded = stamp.read_text().split()
-    return len(recorded) == 2 and recorded[0] == REGISTRY[name].sha256 and recorded[1] == str(target.stat().st_size)
+    try:
+        if not (target.exists() and stamp.exists()):
+            return "missing"
+        recorded = stamp.read_text().split()
+        size = target.stat().st_size
+        if not (len(recorded) == 2 and recorded[0] == REGISTRY[name].sha256 and recorded[1] == str(size)):
+            return "missing"
+        if not full and target.stat().st_mtime_ns <= stamp.stat().st_mtime_ns:
+            return "ok"
+        if sha256_file(target) != REGISTRY[name].sha256:
+            return "damaged"
+        try:
+            stamp.write_text(f"{REGISTRY[name].sha256} {size}\n")  # verified now: the next check is by size again
+        except OSError:
+            pass  # a read-only cache: rehashed again next time, still correct
+        return "ok"
+    except OSError:
+        return "missing"
+
+
+def damaged_message(name: str) -> str:
+    return (f"{name}: the cached file {model_file(name)} is damaged (its sha256 does not match the registry); "
+            f"run `certchat models pull {name}` to fetch it again")
 
 
 def pull(name: str, quiet: bool = False) -> Path:
@@ -110,6 +136,8 @@ def pull(name: str, quiet: bool = False) -> Path:
     target = model_file(name)
     if is_pulled(name):
         return target
+    if _stamp(target).exists():
+        _stamp(target).unlink()  # a damaged or stale file is replaced, never trusted again
     target.parent.mkdir(parents=True, exist_ok=True)
 
     def say(text: str) -> None:
@@ -181,7 +209,10 @@ def resolve(name_or_path: str | None) -> Path:
     """A registry name (pulled if needed) or a path to any GGUF, validated."""
     value = name_or_path or os.environ.get("CERTCHAT_MODEL") or DEFAULT_MODEL
     if value in REGISTRY:
-        path = model_file(value) if is_pulled(value) else pull(value)
+        current = state(value)
+        if current == "damaged":
+            raise ModelError(damaged_message(value))
+        path = model_file(value) if current == "ok" else pull(value)
     else:
         path = Path(value).expanduser()
         if not path.suffix and not path.exists():

@@ -41,7 +41,7 @@ from agent.template import ChatTemplate, Message as TemplateMessage, strip_bos
 from memory_store.records import EvictionRound, Message, Turn as TurnRecord
 from memory_store.store import Store
 from memory_store.stream import AssistantStream
-from native import llama
+from native import llama, poisson
 
 EventSink = Callable[[ev.Event], None]
 
@@ -180,13 +180,13 @@ class ChatSession:
 
     def open(self, conversation_id: int, on_event: EventSink = _ignore) -> None:
         """Continue a logged conversation: its exact tokens are re-prefilled (``Rereading`` events report the
-        progress), then evicted to budget; eviction rounds continue the log's numbering."""
-        self.store.get_conversation(conversation_id)
+        progress), then evicted to budget; eviction rounds continue the log's numbering. The conversation is
+        claimed for this process first, so a second writer is refused before the re-read."""
+        self.store.claim_conversation(conversation_id)
         self.conversation_id = conversation_id
         self.gate.drop_copy()
         self.engine.reset()
-        rounds = self.store.eviction_rounds(conversation_id)
-        self.memory.reset(round=max((r.round for r in rounds), default=-1) + 1)
+        self.memory.reset(round=self.store.next_eviction_round(conversation_id))
         self._segments = []
         self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired)
                             for i, t in enumerate(self.store.turns(conversation_id))]
@@ -228,9 +228,15 @@ class ChatSession:
         turn.generation, turn.answer_id = self._forced(text, turn.meta)
 
     def finish_turn(self, turn: Turn, on_event: EventSink = _ignore, evict: bool = True) -> ev.TurnResult:
-        """Close the turn: the turn-end eviction (unless ``evict`` is False), the turn record, ``TurnFinished``."""
+        """Close the turn: the turn-end eviction (unless ``evict`` is False), the turn record, ``TurnFinished``.
+        A design-core refusal of the eviction is raised after the turn is recorded (the answer is logged, and
+        the cache, left over its budget, is still the log's)."""
+        refused: poisson.DesignError | None = None
         if evict:
-            self.evict_turn_end(turn, on_event)
+            try:
+                self.evict_turn_end(turn, on_event)
+            except poisson.DesignError as err:
+                refused = err
         gen, clock = turn.generation, turn.clock
         assert gen is not None and turn.answer_id is not None, "answer or force_answer the turn first"
         with clock("certificate"):
@@ -248,8 +254,10 @@ class ChatSession:
             logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None, timings=clock.ms,
         )
         with clock("store"):
-            self._record_turn(result, turn.answer_id)
+            self._record_turn(result, turn.answer_id, refused)
         on_event(ev.TurnFinished(result, self.memory_view()))
+        if refused is not None:
+            raise refused
         return result
 
     def evict_turn_end(self, turn: Turn, on_event: EventSink = _ignore) -> None:
@@ -292,7 +300,7 @@ class ChatSession:
         tokens = self._tokenize(suffix, first=not self._segments)
         room = self.engine.n_ctx - self.config.max_tokens - 16
         if len(tokens) > room:
-            self.store.set_message_status(user.id, "complete")
+            self.store.mark_refused(user.id, "too long")
             raise InputError(
                 f"your message is {len(tokens)} tokens but the context has room for {room} "
                 f"(n_ctx {self.engine.n_ctx} minus {self.config.max_tokens} for the answer): shorten it or "
@@ -596,7 +604,8 @@ class ChatSession:
             return [model.bos(), *model.tokenize(text, add_special=False, parse_special=True)]
         return model.tokenize(text, add_special=False, parse_special=True)
 
-    def _record_turn(self, result: ev.TurnResult, answer_msg: int) -> None:
+    def _record_turn(self, result: ev.TurnResult, answer_msg: int,
+                     eviction_error: Exception | None = None) -> None:
         detail = result.certificate_detail
         self.store.record_turn(TurnRecord(
             conversation_id=self.conversation_id, message_id=answer_msg, policy=result.policy,
@@ -610,6 +619,7 @@ class ChatSession:
             tokens_per_s=result.decode_tok_s, seed=self.config.seed,
             extra={"stop": result.stop, "logprob_mean": result.logprob_mean, "budget": self.config.budget,
                    "restored_tokens": result.restored_tokens,
+                   **({"eviction_error": str(eviction_error)} if eviction_error is not None else {}),
                    "timings_ms": {k: round(v, 3) for k, v in result.timings.items()}},
         ))
 

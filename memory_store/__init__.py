@@ -6,11 +6,14 @@ JSONL format and Markdown.
 """
 
 from memory_store.errors import (
+    ConversationBusyError,
     CorruptDatabaseError,
     DatabaseMissingError,
+    DiskFullError,
     ForeignDatabaseError,
     ImportFormatError,
     NotFoundError,
+    ReadOnlyError,
     SchemaTooNewError,
     StoreError,
     StreamLostError,
@@ -21,6 +24,9 @@ from memory_store.stream import AssistantStream
 
 __all__ = [
     "AssistantStream",
+    "ConversationBusyError",
+    "DiskFullError",
+    "ReadOnlyError",
     "Conversation",
     "CorruptDatabaseError",
     "DatabaseMissingError",

@@ -21,12 +21,18 @@ from urllib.parse import quote
 from memory_store.errors import (
     CorruptDatabaseError,
     DatabaseMissingError,
+    DiskFullError,
+    ReadOnlyError,
     StoreError,
 )
 
 # Long enough to ride out another process's commit of a 1 MB message or a
 # migration; short enough that a wedged peer surfaces as an error, not a hang.
 BUSY_TIMEOUT_MS = 15_000
+
+# The WAL is truncated back to this size after a checkpoint, so a reader holding an old
+# snapshot for a long time cannot leave a huge file behind for good.
+JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
 
 # Error codes that mean "the bytes on disk are not a usable database".
 _DAMAGE_CODES = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
@@ -42,6 +48,21 @@ def describe_sqlite_error(path: Path, error: sqlite3.Error) -> StoreError:
         return CorruptDatabaseError(
             f"{path}: damaged SQLite database ({text}); left untouched — move it aside or pass --db"
         )
+    if name == "SQLITE_FULL" or "disk is full" in text:
+        return DiskFullError(
+            f"{path}: the disk is full ({text}); this write was not saved, everything committed before it is "
+            "kept — free some space and retry"
+        )
+    if name.startswith("SQLITE_IOERR") or "disk I/O error" in text:
+        return DiskFullError(
+            f"{path}: disk I/O error — the disk is full, a file-size limit was reached, or the disk is failing; "
+            "this write was not saved, everything committed before it is kept — free some space (df) and retry"
+        )
+    if name.startswith("SQLITE_READONLY") or "readonly database" in text:
+        return ReadOnlyError(
+            f"{path}: the log is read-only ({text}); `certchat log list`/`log show` still read it — to write, "
+            "make the file and its directory writable or pass --db"
+        )
     return StoreError(f"{path}: {text}")
 
 
@@ -52,6 +73,11 @@ def sqlite_errors(path: Path) -> Iterator[None]:
         yield
     except sqlite3.Error as error:
         raise describe_sqlite_error(path, error) from error
+
+
+def writable(path: Path) -> bool:
+    """Whether a read-write connection can work: the file and (for the WAL and its index) its directory."""
+    return os.access(path, os.R_OK | os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)
 
 
 def _check_path(path: Path) -> None:
@@ -65,8 +91,8 @@ def _check_path(path: Path) -> None:
     """
     if path.is_dir():
         raise StoreError(f"{path}: is a directory, not a database file")
-    if not os.access(path, os.R_OK | os.W_OK):
-        raise StoreError(f"{path}: permission denied (need read and write access)")
+    if not os.access(path, os.R_OK):
+        raise StoreError(f"{path}: permission denied (need read access)")
 
 
 def _create_empty(path: Path) -> None:
@@ -82,8 +108,11 @@ def _create_empty(path: Path) -> None:
         raise StoreError(f"{path}: cannot create ({error.strerror})") from error
 
 
-def _open(path: Path, *, read_only: bool) -> sqlite3.Connection:
+def _open(path: Path, *, read_only: bool, immutable: bool = False) -> sqlite3.Connection:
     target = f"file:{quote(str(path.resolve()))}?mode={'ro' if read_only else 'rw'}"
+    if immutable:
+        # A read-only directory holds no -shm/-wal and cannot get one: read the main file as it is.
+        target += "&immutable=1"
     try:
         conn = sqlite3.connect(
             target,
@@ -110,6 +139,7 @@ def connect(
     create: bool = True,
     check: bool = True,
     verify: Callable[[sqlite3.Connection], None] | None = None,
+    read_only: bool = False,
 ) -> sqlite3.Connection:
     """Open ``path`` read-write with the log's pragmas, once it is known to be safe.
 
@@ -118,7 +148,9 @@ def connect(
     into it on close): a first read (a non-SQLite file fails it), ``PRAGMA quick_check`` when ``check``
     (about 1 ms per MB), then ``verify`` (the caller's schema checks), which
     raises to refuse the file. WAL mode is switched on later by ``enable_wal``:
-    changing the journal mode writes the header.
+    changing the journal mode writes the header. ``read_only``: that checked
+    read-only connection is the one returned (a file in a read-only directory
+    is read as it is, ``immutable``).
     """
     path = Path(path)
     if not path.exists():
@@ -126,7 +158,14 @@ def connect(
             raise DatabaseMissingError(f"{path}: no such database")
         _create_empty(path)
     _check_path(path)
-    probe = _open(path, read_only=True)
+    if not read_only and not writable(path):
+        raise ReadOnlyError(
+            f"{path}: the log is read-only (no write access to the file or its directory); `certchat log list`/"
+            "`log show` still read it — to write, make it writable or pass --db"
+        )
+    immutable = read_only and not os.access(path.parent, os.W_OK | os.X_OK) \
+        and not Path(f"{path}-wal").exists()
+    probe = _open(path, read_only=True, immutable=immutable)
     try:
         with sqlite_errors(path):
             # The first read of page 1: a non-database file fails here.
@@ -140,8 +179,12 @@ def connect(
                     )
             if verify is not None:
                 verify(probe)
-    finally:
+    except BaseException:
         probe.close()
+        raise
+    if read_only:
+        return probe
+    probe.close()
     return _open(path, read_only=False)
 
 
@@ -153,6 +196,7 @@ def enable_wal(conn: sqlite3.Connection, path: Path) -> None:
             raise StoreError(f"{path}: cannot switch to WAL journal mode (got {mode!r})")
         # FULL: a committed user message survives power loss, not only a crash.
         conn.execute("PRAGMA synchronous = FULL")
+        conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
 
 
 @contextlib.contextmanager

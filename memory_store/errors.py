@@ -37,3 +37,15 @@ class StreamLostError(StoreError):
 
 class ImportFormatError(StoreError, ValueError):
     """A malformed line in a replay JSONL file (the message names file and line)."""
+
+
+class ConversationBusyError(StoreError):
+    """Another live process is writing this conversation (the message names it)."""
+
+
+class DiskFullError(StoreError):
+    """A write failed for lack of space (or a failing disk); what was committed before it is kept."""
+
+
+class ReadOnlyError(StoreError):
+    """The log cannot be written (read-only file, directory or mount); reading still works."""

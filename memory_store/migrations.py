@@ -160,6 +160,24 @@ def m004_message_writer_lease(db: sqlite_utils.Database) -> None:
     messages.create_index(["status"])
 
 
+@migration
+def m005_conversation_writers(db: sqlite_utils.Database) -> None:
+    """Which process may append to a conversation, so two sessions never interleave their turns."""
+    db["conversation_writers"].create(
+        {
+            "conversation_id": int,
+            "writer_pid": int,
+            "writer_host": str,
+            "writer_token": str,
+            "heartbeat_at": float,
+            "claimed_at": str,
+        },
+        pk="conversation_id",
+        foreign_keys=[_cascade("conversation_writers", "conversation_id", "conversations")],
+        not_null=["writer_pid", "writer_host", "heartbeat_at", "claimed_at"],
+    )
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")
 

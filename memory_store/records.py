@@ -16,6 +16,8 @@ Role = Literal["system", "user", "assistant"]
 Status = Literal["complete", "partial", "interrupted"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
 STATUSES: tuple[str, ...] = ("complete", "partial", "interrupted")
+# Meta flags that keep a message out of every re-read (it stays in the log and the export).
+NOT_REREAD: tuple[str, ...] = ("discarded", "refused", "unanswered")
 
 
 @dataclass(frozen=True)

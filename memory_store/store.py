@@ -33,8 +33,16 @@ import sqlite_utils
 
 from memory_store import db as dbmod
 from memory_store import liveness, migrations
-from memory_store.errors import ForeignDatabaseError, NotFoundError, SchemaTooNewError, StoreError, StreamLostError
+from memory_store.errors import (
+    ConversationBusyError,
+    ForeignDatabaseError,
+    NotFoundError,
+    SchemaTooNewError,
+    StoreError,
+    StreamLostError,
+)
 from memory_store.records import (
+    NOT_REREAD,
     ROLES,
     STATUSES,
     Conversation,
@@ -52,6 +60,15 @@ _CONVERSATION_COLUMNS = (
     "c.id, c.title, c.model, c.settings, c.created_at, c.updated_at, "
     "(SELECT count(*) FROM messages m WHERE m.conversation_id = c.id)"
 )
+
+
+# SQLite integers are signed 64-bit: a larger id cannot name a row.
+_MAX_ID = 2**63 - 1
+
+
+def _check_id(value: int, what: str, path: Path) -> None:
+    if not isinstance(value, int) or not 0 <= value <= _MAX_ID:
+        raise NotFoundError(f"{path}: no {what} {value}")
 
 
 def utc_now() -> str:
@@ -104,23 +121,39 @@ class Store:
     """One open conversation log.
 
     ``path`` is the database file; ``recovered`` is how many partial answers of
-    dead writers were marked interrupted when it was opened.
+    dead writers were marked interrupted when it was opened, ``unanswered`` how
+    many of their user messages were left without an answer (marked, so no
+    re-read includes them). ``read_only`` opens without writing anything (a
+    read-only data dir, a full disk): reads work, writes raise ReadOnlyError.
+
+    Writing a message to a conversation claims it for this process (see
+    ``claim_conversation``); another live process's claim refuses the write
+    with ConversationBusyError, so two sessions never interleave their turns.
     """
 
-    def __init__(self, path: str | Path, *, create: bool = True, check: bool = True) -> None:
+    def __init__(self, path: str | Path, *, create: bool = True, check: bool = True, read_only: bool = False) -> None:
         self.path = Path(path).expanduser()
         # Identifies this file in the process-wide registry of open streams.
         self.key = str(self.path.resolve())
+        self.read_only = read_only
         self._lock = threading.RLock()
         self._streams: dict[int, AssistantStream] = {}
-        conn = dbmod.connect(self.path, create=create, check=check, verify=self._refuse_unless_ours)
+        self._claimed: set[int] = set()
+        self.recovered = self.unanswered = 0
+        conn = dbmod.connect(self.path, create=create and not read_only, check=check,
+                             verify=self._refuse_unless_ours, read_only=read_only)
         try:
             with dbmod.sqlite_errors(self.path):
-                dbmod.enable_wal(conn, self.path)
                 self._db = sqlite_utils.Database(conn)
-                self._migrate()
+                if read_only:
+                    self._refuse_unreadable(conn)
+                else:
+                    dbmod.enable_wal(conn, self.path)
+                    self._migrate()
             self._conn = conn
-            self.recovered = self.recover_interrupted()
+            if not read_only:
+                self.recovered = self.recover_interrupted()
+                self.unanswered = self.recover_unanswered()
         except BaseException:
             conn.close()
             raise
@@ -140,6 +173,15 @@ class Store:
                 "upgrade certchat or pass --db — the file was not modified"
             )
 
+    def _refuse_unreadable(self, conn: sqlite3.Connection) -> None:
+        """Read-only: the tables a reader needs must exist (the writers' table is only for writing)."""
+        missing = [name for name in migrations.pending(conn) if name != "m005_conversation_writers"]
+        if missing:
+            raise StoreError(
+                f"{self.path}: written by an older certchat and not yet upgraded (needs {', '.join(missing)}); "
+                "open it once with write access to upgrade it"
+            )
+
     def _migrate(self) -> None:
         if not migrations.pending(self._db.conn):
             return
@@ -149,10 +191,15 @@ class Store:
             migrations.migrate(self._db)
 
     def close(self) -> None:
-        """Close the log; streams still open are committed and marked interrupted."""
+        """Close the log; streams still open are committed and marked interrupted, claims released."""
         for stream in list(self._streams.values()):
             if not stream.closed:
                 stream.cancel()
+        for conversation_id in list(self._claimed):
+            try:
+                self.release_conversation(conversation_id)
+            except StoreError:
+                pass  # a dead writer's claim is taken over by the next one anyway
         with self._lock:
             self._conn.close()
 
@@ -199,6 +246,7 @@ class Store:
         return self.get_conversation(cid)
 
     def get_conversation(self, conversation_id: int) -> Conversation:
+        _check_id(conversation_id, "conversation", self.path)
         rows = self._read(f"SELECT {_CONVERSATION_COLUMNS} FROM conversations c WHERE c.id = ?", (conversation_id,))
         if not rows:
             raise NotFoundError(f"{self.path}: no conversation {conversation_id}")
@@ -231,6 +279,7 @@ class Store:
         if settings is not None:
             changes["settings"] = _json_object(settings, "settings")
         changes["updated_at"] = utc_now()
+        _check_id(conversation_id, "conversation", self.path)
         assignments = ", ".join(f"{column} = ?" for column in changes)
         with self._write() as conn:
             cur = conn.execute(
@@ -245,6 +294,7 @@ class Store:
 
     def delete_conversation(self, conversation_id: int) -> None:
         """Delete a conversation with its messages, turns and eviction rounds."""
+        _check_id(conversation_id, "conversation", self.path)
         with self._write() as conn:
             cur = conn.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
             if cur.rowcount == 0:
@@ -315,9 +365,11 @@ class Store:
         writer: liveness.Writer | None = None,
         now: str,
     ) -> int:
+        _check_id(conversation_id, "conversation", self.path)
         exists = conn.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
         if not exists:
             raise NotFoundError(f"{self.path}: no conversation {conversation_id}")
+        self._hold(conn, conversation_id)
         (index,) = conn.execute(
             "SELECT coalesce(max(idx) + 1, 0) FROM messages WHERE conversation_id = ?", (conversation_id,)
         ).fetchone()
@@ -375,10 +427,13 @@ class Store:
         self._validate_message(role, content, tokens, first_pos, status)
         if status == "partial":
             raise ValueError("a partial message is written through stream_assistant()")
+        # A user message records its writer: if that process dies before an answer starts, the next
+        # open marks the message unanswered (recover_unanswered), so no re-read includes it.
+        writer = liveness.Writer.current() if role == "user" else None
         with self._write() as conn:
             mid = self._insert_message(
                 conn, conversation_id, role, content,
-                tokens=tokens, first_pos=first_pos, status=status, meta=meta, now=utc_now(),
+                tokens=tokens, first_pos=first_pos, status=status, meta=meta, writer=writer, now=utc_now(),
             )
         return self.get_message(mid)
 
@@ -439,6 +494,7 @@ class Store:
         return self.get_message(message_id)
 
     def get_message(self, message_id: int) -> Message:
+        _check_id(message_id, "message", self.path)
         rows = self._read(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,))
         if not rows:
             raise NotFoundError(f"{self.path}: no message {message_id}")
@@ -453,6 +509,90 @@ class Store:
             )
         return [_message(row) for row in rows]
 
+    def rereadable(self, conversation_id: int) -> list[Message]:
+        """The messages a re-read gives the model: all but those marked discarded, refused or unanswered
+        (a cancelled or independent turn, a message refused as too long, one whose writer died before
+        answering). Interrupted answers stay: their tokens were in the cache."""
+        return [m for m in self.messages(conversation_id) if not any(m.meta.get(k) for k in NOT_REREAD)]
+
+    def mark_refused(self, message_id: int, reason: str) -> Message:
+        """A message the model was never given (e.g. too long for the context): kept, never re-read."""
+        return self.update_message_meta(message_id, {"discarded": True, "refused": reason})
+
+    def mark_unanswered(self, message_id: int, phase: str = "prefill") -> Message:
+        """A user message whose turn stopped before an answer started: kept, never re-read."""
+        return self.update_message_meta(message_id, {"discarded": True, "unanswered": phase})
+
+    # -- conversation writers ----------------------------------------------------------
+
+    def claim_conversation(self, conversation_id: int, *, only: bool = False) -> None:
+        """Make this process the conversation's writer before a session continues it.
+
+        Raises ConversationBusyError (naming the other process) while another live process holds it; a
+        dead holder's claim is taken over, and its unanswered user messages are marked first. ``only``:
+        release this store's other claims (a UI switching conversations). Appending a message claims
+        implicitly; this is the early check, before a model re-reads the history.
+        """
+        self.get_conversation(conversation_id)
+        with self._write() as conn:
+            self._hold(conn, conversation_id)
+        if only:
+            for other in list(self._claimed - {conversation_id}):
+                self.release_conversation(other)
+        self.recover_unanswered(conversation_id)
+
+    def release_conversation(self, conversation_id: int) -> None:
+        """Give up this process's claim (closing the store releases them all)."""
+        me = liveness.Writer.current()
+        self._claimed.discard(conversation_id)
+        with self._write() as conn:
+            conn.execute(
+                "DELETE FROM conversation_writers WHERE conversation_id = ? AND writer_pid = ? AND writer_host = ?",
+                (conversation_id, me.pid, me.host),
+            )
+
+    def conversation_writer(self, conversation_id: int) -> liveness.Writer | None:
+        """The live process that holds the conversation, if any (None: free, or its holder is gone)."""
+        rows = self._read(
+            "SELECT writer_pid, writer_host, writer_token, heartbeat_at FROM conversation_writers "
+            "WHERE conversation_id = ?", (conversation_id,),
+        )
+        if not rows:
+            return None
+        pid, host, token, heartbeat = rows[0]
+        mine = pid == liveness.Writer.current().pid and host == liveness.Writer.current().host
+        if not mine and not liveness.writer_alive(pid, host, token, heartbeat, active_here=True):
+            return None
+        return liveness.Writer(pid=pid, host=host, token=token)
+
+    def _hold(self, conn: sqlite3.Connection, conversation_id: int) -> None:
+        """Inside a write transaction: refuse if another live process holds the conversation, else hold it
+        (and refresh the heartbeat that tells hosts without /proc that this writer is alive)."""
+        me = liveness.Writer.current()
+        row = conn.execute(
+            "SELECT writer_pid, writer_host, writer_token, heartbeat_at FROM conversation_writers "
+            "WHERE conversation_id = ?", (conversation_id,),
+        ).fetchone()
+        if row is not None:
+            pid, host, token, heartbeat = row
+            mine = pid == me.pid and host == me.host and (token is None or me.token is None or token == me.token)
+            if not mine and liveness.writer_alive(pid, host, token, heartbeat, active_here=True):
+                self._claimed.discard(conversation_id)
+                raise ConversationBusyError(
+                    f"conversation {conversation_id} is being written by another certchat process (pid {pid} on "
+                    f"{host}); finish or quit that session first, or start a new conversation (--new) — "
+                    f"`certchat log show {conversation_id}` reads it meanwhile"
+                )
+        conn.execute(
+            "INSERT INTO conversation_writers (conversation_id, writer_pid, writer_host, writer_token, heartbeat_at, "
+            "claimed_at) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(conversation_id) DO UPDATE SET "
+            "writer_pid = excluded.writer_pid, writer_host = excluded.writer_host, "
+            "writer_token = excluded.writer_token, heartbeat_at = excluded.heartbeat_at"
+            + (", claimed_at = excluded.claimed_at" if conversation_id not in self._claimed else ""),
+            (conversation_id, me.pid, me.host, me.token, time.time(), utc_now()),
+        )
+        self._claimed.add(conversation_id)
+
     def history(self, conversation_id: int, *, statuses: Sequence[str] = STATUSES) -> History:
         """The conversation as the model saw it: every message's token ids and first position.
 
@@ -461,6 +601,45 @@ class Store:
         """
         wanted = set(statuses)
         return History(conversation_id, [m for m in self.messages(conversation_id) if m.status in wanted])
+
+    def recover_unanswered(self, conversation_id: int | None = None) -> int:
+        """Mark unanswered every user message whose writer is gone with no answer after it; return how many.
+
+        Only messages that recorded a writer are candidates (an imported conversation ending with a
+        user message is left as it is); this process's own are never marked (it may be prefilling one).
+        """
+        where = "" if conversation_id is None else " AND u.conversation_id = ?"
+        rows = self._read(
+            "SELECT u.id, u.writer_pid, u.writer_host, u.writer_token, u.heartbeat_at, u.meta FROM messages u "
+            "WHERE u.role = 'user' AND u.writer_pid IS NOT NULL" + where + " AND NOT EXISTS (SELECT 1 FROM messages a "
+            "WHERE a.conversation_id = u.conversation_id AND a.idx = u.idx + 1 AND a.role = 'assistant')",
+            () if conversation_id is None else (conversation_id,),
+        )
+        me = liveness.Writer.current()
+        dead = [
+            mid for mid, pid, host, token, heartbeat, meta in rows
+            if not any(json.loads(meta).get(k) for k in NOT_REREAD)
+            and not (pid == me.pid and host == me.host)
+            and not liveness.writer_alive(pid, host, token, heartbeat, active_here=False)
+        ]
+        if not dead:
+            return 0
+        marked = 0
+        with self._write() as conn:
+            now = utc_now()
+            for mid in dead:
+                # Re-checked under the write lock: its answer may have started meanwhile.
+                row = conn.execute(
+                    "SELECT u.meta FROM messages u WHERE u.id = ? AND NOT EXISTS (SELECT 1 FROM messages a "
+                    "WHERE a.conversation_id = u.conversation_id AND a.idx = u.idx + 1)", (mid,),
+                ).fetchone()
+                if row is None:
+                    continue
+                meta = {**json.loads(row[0]), "discarded": True, "unanswered": "writer gone"}
+                conn.execute("UPDATE messages SET meta = ?, updated_at = ? WHERE id = ?",
+                             (_json_object(meta, "meta"), now, mid))
+                marked += 1
+        return marked
 
     def stream_assistant(
         self,
@@ -602,6 +781,14 @@ class Store:
             rid = self._db["eviction_rounds"].insert(row).last_pk
         row = self._read_dicts("SELECT * FROM eviction_rounds WHERE id = ?", (rid,))[0]
         return EvictionRound(**_known_fields(EvictionRound, row))
+
+    def next_eviction_round(self, conversation_id: int) -> int:
+        """The round number the conversation's next eviction takes: one past the last logged (0 for none).
+        A reopened conversation continues from here, so its rounds never repeat one already recorded."""
+        ((value,),) = self._read(
+            "SELECT coalesce(max(round) + 1, 0) FROM eviction_rounds WHERE conversation_id = ?", (conversation_id,)
+        )
+        return int(value)
 
     def eviction_rounds(self, conversation_id: int) -> list[EvictionRound]:
         rows = self._read_dicts(

@@ -97,6 +97,10 @@ class ModelInfo:
     description: str
 
 
+# Architectures llama.cpp runs with ALiBi even when the GGUF carries no max_alibi_bias key.
+_ALIBI_ARCHS = frozenset({"bloom", "mpt", "refact", "jina-bert-v2"})
+
+
 class Model:
     """A loaded GGUF model (weights + vocabulary)."""
 
@@ -160,6 +164,29 @@ class Model:
             buf = ctypes.create_string_buffer(n + 1)
             self._lib.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
+
+    def eviction_unsupported(self) -> str | None:
+        """Why certchat's patched cache cannot serve this model (one line naming it and what to use instead),
+        or None. Recurrent and hybrid models keep state outside the KV cache, which eviction cannot thin;
+        ALiBi models bias attention by distance, which the patch's per-cell bias and certificate refuse
+        (a ``PatchError`` at the first eviction if not caught here)."""
+        info = self.info()
+        name = self.path.name
+        if info.is_recurrent:
+            return f"{name} is a recurrent model: it has no KV cache to evict; use a transformer model"
+        if info.is_hybrid:
+            return (f"{name} is a hybrid (attention + recurrent) model: its recurrent state cannot be evicted or "
+                    "re-read; use a transformer model")
+        arch = self.meta("general.architecture") or ""
+        alibi = self.meta(f"{arch}.attention.max_alibi_bias")
+        try:
+            alibi_bias = float(alibi) if alibi is not None else 0.0
+        except ValueError:
+            alibi_bias = 0.0
+        if arch in _ALIBI_ARCHS or alibi_bias > 0:
+            return (f"{name} uses ALiBi positions ({arch}): certchat's eviction bias and certificate need "
+                    "rotary or learned positions; use another model (`certchat models list`)")
+        return None
 
     def chat_template(self) -> str | None:
         """The GGUF's default Jinja chat template, if it has one."""

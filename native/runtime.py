@@ -40,13 +40,22 @@ def built_libs() -> BuiltLibs:
     """The libraries to load, or a clear error saying how to build them."""
     override = os.environ.get("CERTCHAT_NATIVE_LIB_DIR")
     if override:
-        return BuiltLibs(lib_dir=Path(override), cuda=False, key="override")
+        lib_dir = Path(override).expanduser()
+        if not (lib_dir / "libllama.so").is_file():
+            raise NativeNotBuilt(
+                f"CERTCHAT_NATIVE_LIB_DIR={override}: no libllama.so there; point it at a folder holding the "
+                "patched libllama.so and libcertchat_core.so, or unset it to use `certchat build`'s libraries"
+            )
+        return BuiltLibs(lib_dir=lib_dir, cuda=False, key="override")
     if not POINTER_FILE.exists():
         raise NativeNotBuilt(
             "the patched llama.cpp is not built yet: run `certchat build` (or the README's set-up command)"
         )
-    data = json.loads(POINTER_FILE.read_text())
-    lib_dir = Path(data["lib_dir"])
+    try:
+        data = json.loads(POINTER_FILE.read_text())
+        lib_dir = Path(data["lib_dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise NativeNotBuilt(f"{POINTER_FILE} is damaged: run `certchat build` to write it again") from None
     if not (lib_dir / "libllama.so").exists():
         raise NativeNotBuilt(f"{lib_dir}/libllama.so is missing: run `certchat build` to rebuild it")
     return BuiltLibs(lib_dir=lib_dir, cuda=bool(data.get("cuda")), key=str(data.get("key", "")))
@@ -78,8 +87,17 @@ def llama_cpp() -> ModuleType:
         return sys.modules["llama_cpp"]
     libs = built_libs()
     os.environ["LLAMA_CPP_LIB_PATH"] = str(libs.lib_dir)
-    import llama_cpp  # noqa: PLC0415 — must follow the env assignment above
-
+    try:
+        import llama_cpp  # noqa: PLC0415 — must follow the env assignment above
+    except (OSError, AttributeError, RuntimeError) as err:
+        # Not a loadable libllama, or one missing functions llama-cpp-python binds (another version).
+        for name in [m for m in sys.modules if m == "llama_cpp" or m.startswith("llama_cpp.")]:
+            del sys.modules[name]
+        detail = " ".join(str(err).split())
+        raise NativeNotBuilt(
+            f"{libs.lib_dir}/libllama.so cannot be used ({detail}); run `certchat build`"
+            + (" or unset CERTCHAT_NATIVE_LIB_DIR" if libs.key == "override" else "")
+        ) from None
     return llama_cpp
 
 

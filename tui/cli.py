@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from agent import cli_chat
+from agent import cli_chat, cli_errors
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -18,4 +18,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="open the chat (Textual UI)")
     cli_chat.add_common_flags(p)
     p.add_argument("--conversation", type=int, help="continue a logged conversation")
-    p.set_defaults(func=cli_chat.guard(_cmd_chat))
+    p.set_defaults(func=cli_errors.guard(_cmd_chat))
