@@ -162,7 +162,7 @@ class ChatSession:
         conv = self.store.create_conversation(title=title, model=self.model_name,
                                               settings={"policy": self.config.policy, "budget": self.config.budget})
         self.conversation_id = conv.id
-        self.gate.drop_copy()
+        self.gate.new_conversation()
         self.engine.reset()
         self.memory.reset()
         self._segments = []
@@ -183,7 +183,7 @@ class ChatSession:
         progress), then evicted to budget; eviction rounds continue the log's numbering."""
         self.store.get_conversation(conversation_id)
         self.conversation_id = conversation_id
-        self.gate.drop_copy()
+        self.gate.new_conversation()
         self.engine.reset()
         rounds = self.store.eviction_rounds(conversation_id)
         self.memory.reset(round=max((r.round for r in rounds), default=-1) + 1)
@@ -264,6 +264,7 @@ class ChatSession:
                           list(self._turn_certs))
 
     def rollback(self, checkpoint: Checkpoint) -> None:
+        self.gate.discard_turn()
         self.engine.restore(checkpoint.engine)
         self.memory.restore(checkpoint.memory)
         self._segments, self._turn_certs = list(checkpoint.segments), list(checkpoint.certificates)
