@@ -490,7 +490,7 @@ class ChatSession:
         plan = self._plan_reread()
         assert decision.value is not None and decision.threshold is not None
         on_event(ev.GateFired(phase, decision.value, decision.threshold, plan.prefill_tokens, plan.truncated,
-                              decision.uncertified, plan.restored_tokens))
+                              decision.uncertified, plan.restored_tokens, self._points_at()))
         if plan.truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))
@@ -505,6 +505,19 @@ class ChatSession:
         turn.gate_fired = True
         turn.reprefill_tokens += plan.prefill_tokens
         turn.restored_tokens += plan.restored_tokens
+
+    def _points_at(self) -> str:
+        """The evicted message a sketch-statistic gate fired on, in words; "" for any other gate."""
+        if not self.gate.statistic.startswith("sketch.") or not self.gate.turn.implicated:
+            return ""
+        index = self.gate.turn.implicated[0][0]
+        segment = next((s for s in self._segments if s.index == index), None)
+        if segment is None:
+            return f"message {index}"
+        turn = sum(1 for s in self._segments if s.role == "user" and s.index <= index)
+        text = " ".join(segment.content.split())
+        who = "your" if segment.role == "user" else "the answer at"
+        return f"{who} turn {turn} ('{text[:32]}…')" if len(text) > 32 else f"{who} turn {turn} ('{text}')"
 
     def _plan_reread(self, reserve: int | None = None, pending: int | None = None) -> ReadPlan:
         """What a re-read holds: the logged messages (exact token ids) that fit with ``reserve`` cells free
