@@ -52,7 +52,7 @@ def _print_event(event: ev.Event) -> None:
         sys.stdout.write(event.text)
         sys.stdout.flush()
     elif isinstance(event, ev.GateFired):
-        why = ev.UNCERTIFIED if event.uncertified else f"certificate {event.value:.3f} ≥ τ {event.threshold:.3f}"
+        why = ev.gate_reason(event)
         print(f"\n[gate: {why} — {ev.reread_words(event.reprefill_tokens, event.restored_tokens)}]", file=sys.stderr)
     elif isinstance(event, ev.Regenerating):
         print("\n[answer discarded after a mid-answer gate breach; answering again from the full history]",

@@ -34,7 +34,7 @@ def _default_out(kind: str) -> Path:
 def _base_config(args: argparse.Namespace) -> config_mod.Config:
     cfg = config_mod.load()
     return cfg.replace(model=args.model, threads=args.threads, gpu_layers=getattr(args, "gpu_layers", None),
-                       evict_at=getattr(args, "evict_at", None))
+                       evict_at=getattr(args, "evict_at", None), sketch_layers=getattr(args, "sketch_layers", None))
 
 
 def _emit(doc: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
@@ -291,6 +291,8 @@ def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int) -> Non
     p.add_argument("--seeds", type=int, default=seeds, help="seeds 0…N−1 for the randomised policies")
     p.add_argument("--gate", default="auto", help="gate threshold τ for poisson+gate, or 'auto' (calibrated)")
     p.add_argument("--model", help="registry name or GGUF path (default: the configured model)")
+    p.add_argument("--sketch-layers", dest="sketch_layers",
+                   help="keep an evicted-key sketch of these layers (e.g. 11,13,15,20,22) and record sketch.max")
     p.add_argument("--out", type=Path, help="folder for results.json, table.md, plots and replay.db")
     p.add_argument("--json", action="store_true", help="print the aggregate as one JSON object on the last line")
     p.add_argument("--max-tokens", type=int, default=64, dest="max_tokens", help="longest generated answer")

@@ -99,6 +99,14 @@ class Config:
     qwen2.5-coder-0.5b) so the next firing restores it and prefills only the messages logged since. The log
     stays the source of truth: the copy is used only when its messages are, token for token, the start of what
     the log says to re-read. Off: every firing prefills the whole history again."""
+    sketch_layers: str = ""
+    """Model layers whose evicted keys the evicted-key sketch keeps, comma-separated (e.g. "11,13,15,20,22"), or
+    "" for no sketch. With a sketch every turn records ``sketch.max`` — how far the question's estimated attention
+    on a mostly evicted message exceeds what earlier questions paid it — and the messages it implicates; it costs a
+    key read and a quantisation per eviction and a scoring pass per question (docs/POISSON.md, "Phase 1"). Off by
+    default until the gating study has calibrated sketch.max."""
+    sketch_bits: int = 8
+    """Bits per stored key value in the sketch: 8 or 4 (with a half-precision scale per row and KV head), or 32."""
     answer_certificate: bool = False
     """Also read the certificate at every answer step (the answer.* statistics; replays turn it on). Off, the
     certificate is computed for the question window only, and answer decoding runs at full speed; an answer.*
@@ -163,9 +171,12 @@ class Config:
             raise ConfigError(f"evict_at: must be one of {', '.join(EVICT_AT)}, got {self.evict_at!r}")
         if not 1 <= self.question_window <= 64 or not 1 <= self.cert_window <= 64:
             raise ConfigError("question_window/cert_window: must be in [1, 64]")
-        if self.gate_stat != "auto" and not (self.gate_stat.startswith("question.")
-                                             or self.gate_stat.startswith("answer.")):
-            raise ConfigError(f"gate_stat: must be 'auto' or start with 'question.' or 'answer.', got {self.gate_stat!r}")
+        sketch_layers(self.sketch_layers)
+        if self.sketch_bits not in (4, 8, 32):
+            raise ConfigError(f"sketch_bits: must be 4, 8 or 32, got {self.sketch_bits}")
+        if self.gate_stat != "auto" and not self.gate_stat.startswith(("question.", "answer.", "sketch.")):
+            raise ConfigError(f"gate_stat: must be 'auto' or start with 'question.', 'answer.' or 'sketch.', "
+                              f"got {self.gate_stat!r}")
 
 
 def parse_budget(value: str) -> tuple[str, float]:
@@ -183,6 +194,17 @@ def parse_budget(value: str) -> tuple[str, float]:
         return "tokens", float(tokens)
     except ValueError:
         raise ConfigError(f"budget: expected a token count like 1024 or a share like 10%, got {value!r}") from None
+
+
+def sketch_layers(value: str) -> tuple[int, ...]:
+    """The sketch's layers from "11,13,15" ("" = none); ConfigError otherwise."""
+    try:
+        layers = tuple(int(x) for x in str(value).split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"sketch_layers: expected comma-separated layer numbers like 11,13,15, got {value!r}") from None
+    if any(x < 0 for x in layers) or len(set(layers)) != len(layers):
+        raise ConfigError(f"sketch_layers: each layer once, 0 or more, got {value!r}")
+    return tuple(sorted(layers))
 
 
 def parse_gate(value: str | float) -> float | None | str:

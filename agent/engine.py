@@ -11,6 +11,7 @@ mirror and never write it. It knows nothing of SQLite or the UI.
 from __future__ import annotations
 
 import codecs
+import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from native import llama, patched
+from native.sketch import EvictedKeySketch
 
 if TYPE_CHECKING:
     from agent.config import Config
@@ -87,6 +89,8 @@ class EngineSnapshot:
     segments: list[int]
     logpi: list[float]
     next_pos: int
+    sketch: EvictedKeySketch | None = None
+    """The evicted cells' keys at that moment (a copy)."""
 
 
 @dataclass
@@ -130,6 +134,10 @@ class Engine:
         self.next_pos = 0
         self.readout: tuple[bool, int] = (False, 0)
         """(on, window) of the in-graph attention readout (certificate + importance) the context computes."""
+        self.sketch: EvictedKeySketch | None = None
+        """Phase 1 of the two-phase design: a quantised copy of every evicted cell's keys (``set_sketch``)."""
+        self._sketch_spec: tuple[tuple[int, ...], int, int] = ((), 8, 0)
+        """(layers, bits, query window) of the sketch; no layers: none."""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def close(self) -> None:
@@ -149,7 +157,8 @@ class Engine:
     def snapshot(self) -> "EngineSnapshot":
         """Everything needed to come back to this exact cache (for independent probes)."""
         return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
-                              list(self.cache.segments), list(self.cache.logpi), self.next_pos)
+                              list(self.cache.segments), list(self.cache.logpi), self.next_pos,
+                              copy.deepcopy(self.sketch) if self.sketch is not None and self.sketch.n_tokens else None)
 
     def restore(self, snap: "EngineSnapshot") -> None:
         """Put the cache back as it was, biases included (state files carry none)."""
@@ -157,6 +166,10 @@ class Engine:
         self.cache = CacheMirror(list(snap.positions), list(snap.tokens), list(snap.segments), list(snap.logpi))
         self.next_pos = snap.next_pos
         self._write_biases()
+        if snap.sketch is not None:
+            self.sketch = copy.deepcopy(snap.sketch)
+        elif self.sketch is not None:
+            self.sketch.clear()
 
     def evict(self, keep: np.ndarray, cum_logpi: np.ndarray | None = None) -> None:
         """Keep only the live cells where ``keep`` is True (mirror order) and compact the rest away; with
@@ -174,9 +187,16 @@ class Engine:
         if n and not keep[-1]:
             raise ValueError("the newest cell cannot be evicted: the next batch continues from its position")
         positions = np.asarray(self.cache.positions, dtype=np.int64)
-        for p0, p1 in _runs(positions[~keep]):
+        gone = positions[~keep]
+        layers, bits, _ = self._sketch_spec
+        keys = self.ctx.keys(self.SEQ, layers, gone) if layers and len(gone) else None
+        for p0, p1 in _runs(gone):
             if not self.ctx.seq_rm(self.SEQ, p0, p1):
                 raise llama.LlamaError(f"could not evict positions [{p0}, {p1})")
+        if keys is not None:
+            if self.sketch is None:
+                self.sketch = EvictedKeySketch(layers, self.info.n_head_kv, keys.shape[2] // self.info.n_head_kv, bits)
+            self.sketch.append(gone, np.asarray(self.cache.segments, dtype=np.int32)[~keep], keys)
         self.cache.keep(keep)
         if cum_logpi is not None:
             self.cache.logpi = [float(x) for x in cum_logpi[keep]]
@@ -191,10 +211,39 @@ class Engine:
     # -- the attention readout -------------------------------------------------------------
     def set_readout(self, on: bool, window: int) -> None:
         """Have the graph compute the certificate and the importance over each ubatch's last ``window`` rows
-        (or stop); a no-op when nothing changes, since every change rebuilds the graph reservation."""
+        (and the sketch's query rows), or stop; a no-op when nothing changes, since every change rebuilds the
+        graph reservation."""
         if (on, window) != self.readout:
             self.ctx.set_attn_readout(on, window)
+            layers, _, q_window = self._sketch_spec
+            if layers:
+                self.ctx.set_attn_queries(layers if on else None, q_window)
             self.readout = (on, window)
+
+    def set_sketch(self, layers: tuple[int, ...], bits: int, window: int) -> None:
+        """Keep the keys of evicted cells for ``layers`` (none: no sketch) and report the query rows of each
+        ubatch's last ``window`` rows for them while the readout is on. A changed sketch starts empty: cells
+        evicted before it are not in it."""
+        if (layers, bits, window) == self._sketch_spec:
+            return
+        bad = [x for x in layers if x >= self.info.n_layer]
+        if bad:
+            raise ValueError(f"sketch_layers: the model has layers 0–{self.info.n_layer - 1}, not {bad}")
+        self.sketch = None
+        self._sketch_spec = (tuple(layers), bits, window)
+        self.ctx.set_attn_queries(layers if layers and self.readout[0] else None, max(1, window))
+
+    def read_queries(self) -> patched.Queries:
+        return self.ctx.attn_queries()
+
+    def _forget_in_sketch(self) -> None:
+        """The sketch holds only cells that are gone: drop those back in the cache or past the sequence's end."""
+        if self.sketch is None or not self.sketch.n_tokens:
+            return
+        stored = self.sketch.positions
+        back = np.isin(stored, np.asarray(self.cache.positions, dtype=np.int32)) | (stored >= self.next_pos)
+        if back.any():
+            self.sketch.drop(stored[back])
 
     @property
     def reading(self) -> bool:
@@ -214,12 +263,15 @@ class Engine:
         keep = np.asarray(self.cache.positions, dtype=np.int64) < pos
         self.cache.keep(keep)
         self.next_pos = pos
+        self._forget_in_sketch()
 
     def reset(self) -> None:
         """Empty the KV cache (a new conversation, or a full re-prefill)."""
         self.ctx.clear()
         self.cache.clear()
         self.next_pos = 0
+        if self.sketch is not None:
+            self.sketch.clear()
 
     # -- prefill ---------------------------------------------------------------------------
     def feed(self, tokens: list[int], segment: int, logits_last: bool = True,

@@ -49,6 +49,15 @@ UNCERTIFIED = "too little of the evicted history was sampled to estimate the err
 """Why an uncertified gate fired, in the words the chat and the CLI show."""
 
 
+def gate_reason(event: "GateFired") -> str:
+    """Why the gate fired, in the words the chat and the CLI show."""
+    if event.uncertified:
+        return UNCERTIFIED
+    if event.points_at:
+        return f"your question points at {event.points_at}, which is evicted"
+    return f"certificate {event.value:.3f} ≥ τ {event.threshold:.3f}"
+
+
 def reread_words(tokens: int | None, restored: int = 0) -> str:
     """What a gate's re-read costs, in the words the chat and the CLI show."""
     words = f"re-read {tokens if tokens is not None else '?'} tokens of history"
@@ -71,6 +80,9 @@ class GateFired:
     so no certificate vouches for what was dropped; ``value`` is then not what fired it."""
     restored_tokens: int = 0
     """History tokens restored from the copy the previous re-read left (config ``reread_copy``), not prefilled."""
+    points_at: str = ""
+    """When a sketch statistic fired it: the evicted message the question points at, in words ("turn 4 ('My
+    gym locker code is…')")."""
 
 
 @dataclass(frozen=True)

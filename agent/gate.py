@@ -57,13 +57,19 @@ class TurnCertificates:
     """``question.evicted_share[_layer_max]``: see :func:`evicted_share`."""
     fired: GateDecision | None = None
     """The decision that re-read the history this turn (question or answer phase)."""
+    sketch: dict[str, float] = field(default_factory=dict)
+    """``sketch.max`` and ``sketch.evicted_mass``: see :meth:`Gate.read_sketch`."""
+    implicated: list[tuple[int, float]] = field(default_factory=list)
+    """(message index, anomaly) of the mostly evicted messages the question points at, most anomalous first."""
+    shares: dict[int, np.ndarray] = field(default_factory=dict)
+    """Per message index: its estimated share of the question's attention in each sketch layer."""
 
     def statistics(self) -> dict[str, float]:
         question = self.question if self.question is not None and self.question.size else None
         answer = np.stack(self.answer) if self.answer else None
         if question is None and answer is None:
-            return {}
-        return {**poisson.turn_statistics(question=question, answer=answer), **self.evicted_share}
+            return dict(self.sketch)
+        return {**poisson.turn_statistics(question=question, answer=answer), **self.evicted_share, **self.sketch}
 
     def detail(self) -> dict[str, Any]:
         detail: dict[str, Any] = dict(self.statistics())
@@ -74,6 +80,8 @@ class TurnCertificates:
             detail["sampled_cells"] = self.sampled_cells
         if self.uncertified:
             detail["uncertified"] = 1
+        if self.sketch:
+            detail["sketch.top"] = [[m, round(a, 4)] for m, a in self.implicated]
         return detail
 
 
@@ -105,6 +113,11 @@ def evicted_share(reading: patched.Importance, positions: np.ndarray, logpi: np.
         return {}
     return {"question.evicted_share": float(np.mean(shares)),
             "question.evicted_share_layer_max": float(np.max(shares))}
+
+
+SHARE_FLOOR = 1e-4
+"""The smallest baseline share an anomaly divides by, so a message earlier questions ignored does not read as
+infinitely anomalous on noise."""
 
 
 class LoggedMessage(Protocol):
@@ -173,6 +186,8 @@ class Gate:
         self.config = config
         self.turn = TurnCertificates()
         self.copy: ReadCopy | None = None
+        self._paid: dict[int, list[np.ndarray]] = {}
+        """Per message index: its attention share in each sketch layer at every earlier turn (the baselines)."""
 
     def reconfigure(self, config: Config) -> None:
         self.config = config
@@ -200,8 +215,20 @@ class Gate:
 
     # -- the turn's certificates ---------------------------------------------------------
     def begin_turn(self) -> TurnCertificates:
+        for message, share in self.turn.shares.items():
+            self._paid.setdefault(message, []).append(share)
         self.turn = TurnCertificates()
         return self.turn
+
+    def new_conversation(self) -> None:
+        """A new or reopened conversation: no copy, no baselines."""
+        self.copy = None
+        self._paid = {}
+        self.turn = TurnCertificates()
+
+    def discard_turn(self) -> None:
+        """The turn was rolled back (an independent probe): what it paid each message is no baseline."""
+        self.turn.shares = {}
 
     def read_question(self, engine: "Engine", rows: int, sampled_design: bool,
                       reading: patched.Importance | None = None) -> None:
@@ -226,13 +253,57 @@ class Gate:
         turn.sampled_cells = int(np.count_nonzero(sampled))
         turn.uncertified = sampled_design and evicted and units < 2
         turn.evicted_share = share
+        if engine.sketch is not None and engine.sketch.n_tokens:
+            self.read_sketch(engine, reading if reading is not None else engine.read_importance())
+
+    def read_sketch(self, engine: "Engine", reading: patched.Importance) -> None:
+        """Phase 1 of the two-phase design: the question's attention on every earlier message, the evicted part
+        estimated from the sketch, and how far it exceeds what earlier questions paid the message.
+
+        In each sketch layer, a message's share is (kept + evicted) / (1 + Σ evicted): the kept part is the
+        question's attention on the message's live cells as a share of its attention on the cache (the importance
+        readout), the evicted part the sketch's estimate of its evicted cells' weights on the same scale (the
+        kept softmax sums to 1). A message's anomaly is the largest ratio, over the sketch layers, of this share
+        to its median over the earlier turns (at least two); ``sketch.max`` is the largest anomaly over the
+        messages more than half evicted — the ones the certificate of the kept sample cannot speak for."""
+        sk = engine.sketch
+        assert sk is not None
+        score = sk.score(engine.read_queries())
+        ids, mass = score.per_message()
+        layers = score.layers
+        segs = np.asarray(engine.cache.segments, dtype=np.int64)
+        cache_pos = np.asarray(engine.cache.positions, dtype=np.int64)
+        stored = sk.messages
+        n_msg = int(max(segs.max(initial=0), stored.max(initial=0))) + 1
+        kept = np.zeros((len(layers), n_msg))
+        for li, layer in enumerate(layers):
+            one = patched.Importance(reading.mass[layer:layer + 1], reading.cell_pos[layer:layer + 1])
+            paid = one.per_position(cache_pos)
+            if paid.sum() > 0:
+                kept[li] = np.bincount(segs, weights=paid, minlength=n_msg)[:n_msg] / paid.sum()
+        gone = np.zeros((len(layers), n_msg))
+        gone[:, ids] = mass / score.per_head.shape[1]  # the mean over heads, on the kept softmax's scale
+        share = (kept + gone) / (1.0 + gone.sum(axis=1, keepdims=True))
+        n_gone = np.bincount(stored, minlength=n_msg)[:n_msg]
+        n_live = np.bincount(segs, minlength=n_msg)[:n_msg]
+        anomalies: dict[int, float] = {}
+        for m in np.flatnonzero(n_gone > n_live):
+            earlier = self._paid.get(int(m), [])
+            if len(earlier) >= 2:
+                base = np.median(np.stack(earlier), axis=0)
+                anomalies[int(m)] = float(np.max(share[:, m] / np.maximum(base, SHARE_FLOOR)))
+        turn = self.turn
+        turn.shares = {int(m): share[:, m].copy() for m in np.flatnonzero(n_gone + n_live)}
+        turn.implicated = sorted(anomalies.items(), key=lambda kv: -kv[1])[:5]
+        turn.sketch = {"sketch.max": max(anomalies.values(), default=0.0),
+                       "sketch.evicted_mass": float(gone.sum(axis=1).mean())}
 
     def question_decision(self) -> GateDecision:
         tau = self.threshold()
         value = self.turn.statistics().get(self.statistic)
         if self.turn.uncertified and tau is not None:
             return GateDecision(value if value is not None else 0.0, tau, fire=True, uncertified=True)
-        if not self.statistic.startswith("question."):
+        if not self.statistic.startswith(("question.", "sketch.")):
             return GateDecision(None, tau, False)
         return GateDecision(value, tau, fire=self._breach(value, tau))
 
@@ -295,6 +366,3 @@ class Gate:
         if self.config.reread_copy and policies.get(self.config.policy).evicts and self.threshold() is not None:
             self.copy = ReadCopy(conversation_id, tuple((m.id, tuple(int(t) for t in m.tokens)) for m in chosen),
                                  engine.snapshot())
-
-    def drop_copy(self) -> None:
-        self.copy = None

@@ -25,6 +25,7 @@ import numpy as np
 
 from agent import policies
 from agent.config import Config, parse_budget
+from agent.config import sketch_layers as parse_sketch_layers
 from agent.engine import Engine
 from native import patched, poisson
 
@@ -63,6 +64,10 @@ class CacheManager:
         # the context, since every window change rebuilds the scheduler's graph reservation. A ubatch reports
         # its last min(rows, n_tokens) rows, so one setting serves the question window of a prefill, the
         # held-back question tokens and one-token decodes.
+        # The sketch keeps what a sampled design evicts, for the gate: its query rows are the certificate window's.
+        sketched = self.policy.sampled and self.policy.evicts
+        self.engine.set_sketch(parse_sketch_layers(config.sketch_layers) if sketched else (), config.sketch_bits,
+                               config.cert_window)
         if self.policy.reads_attention:
             self.engine.set_readout(True, self.readout_rows)
         elif self.engine.readout[1]:

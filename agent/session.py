@@ -162,7 +162,7 @@ class ChatSession:
         conv = self.store.create_conversation(title=title, model=self.model_name,
                                               settings={"policy": self.config.policy, "budget": self.config.budget})
         self.conversation_id = conv.id
-        self.gate.drop_copy()
+        self.gate.new_conversation()
         self.engine.reset()
         self.memory.reset()
         self._segments = []
@@ -184,7 +184,7 @@ class ChatSession:
         claimed for this process first, so a second writer is refused before the re-read."""
         self.store.claim_conversation(conversation_id)
         self.conversation_id = conversation_id
-        self.gate.drop_copy()
+        self.gate.new_conversation()
         self.engine.reset()
         self.memory.reset(round=self.store.next_eviction_round(conversation_id))
         self._segments = []
@@ -272,6 +272,7 @@ class ChatSession:
                           list(self._turn_certs))
 
     def rollback(self, checkpoint: Checkpoint) -> None:
+        self.gate.discard_turn()
         self.engine.restore(checkpoint.engine)
         self.memory.restore(checkpoint.memory)
         self._segments, self._turn_certs = list(checkpoint.segments), list(checkpoint.certificates)
@@ -497,7 +498,7 @@ class ChatSession:
         plan = self._plan_reread()
         assert decision.value is not None and decision.threshold is not None
         on_event(ev.GateFired(phase, decision.value, decision.threshold, plan.prefill_tokens, plan.truncated,
-                              decision.uncertified, plan.restored_tokens))
+                              decision.uncertified, plan.restored_tokens, self._points_at()))
         if plan.truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))
@@ -512,6 +513,19 @@ class ChatSession:
         turn.gate_fired = True
         turn.reprefill_tokens += plan.prefill_tokens
         turn.restored_tokens += plan.restored_tokens
+
+    def _points_at(self) -> str:
+        """The evicted message a sketch-statistic gate fired on, in words; "" for any other gate."""
+        if not self.gate.statistic.startswith("sketch.") or not self.gate.turn.implicated:
+            return ""
+        index = self.gate.turn.implicated[0][0]
+        segment = next((s for s in self._segments if s.index == index), None)
+        if segment is None:
+            return f"message {index}"
+        turn = sum(1 for s in self._segments if s.role == "user" and s.index <= index)
+        text = " ".join(segment.content.split())
+        who = "your" if segment.role == "user" else "the answer at"
+        return f"{who} turn {turn} ('{text[:32]}…')" if len(text) > 32 else f"{who} turn {turn} ('{text}')"
 
     def _plan_reread(self, reserve: int | None = None, pending: int | None = None) -> ReadPlan:
         """What a re-read holds: the logged messages (exact token ids) that fit with ``reserve`` cells free

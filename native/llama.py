@@ -427,6 +427,18 @@ class Context:
         """The last ubatch's attention mass per cell."""
         return patched.get_importance(self.handle)
 
+    def keys(self, seq_id: int, layers: Sequence[int], positions: Sequence[int] | np.ndarray) -> np.ndarray:
+        """K rows (after RoPE, F32) of the sequence's cells at ``positions`` for ``layers``: [layers, pos, width]."""
+        return patched.get_keys(self.handle, layers, positions, seq_id)
+
+    def set_attn_queries(self, layers: Sequence[int] | None, n_window: int) -> None:
+        """Report the query rows of ``layers`` over each ubatch's last ``n_window`` rows (None: off)."""
+        patched.set_attn_queries(self.handle, layers, n_window)
+
+    def attn_queries(self) -> patched.Queries:
+        """The last ubatch's query rows with the log-sum-exp of their softmax."""
+        return patched.get_attn_queries(self.handle)
+
 
 @dataclass(frozen=True)
 class SamplerParams:

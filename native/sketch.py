@@ -255,6 +255,16 @@ class EvictedKeySketch:
         return int(sum(len(p) for p in self._positions))
 
     @property
+    def positions(self) -> NDArray[np.int32]:
+        """[n] every stored position, in the order appended."""
+        return self._packed()[2].copy()
+
+    @property
+    def messages(self) -> NDArray[np.int32]:
+        """[n] the message index of each stored position."""
+        return self._packed()[3].copy()
+
+    @property
     def bytes_per_token(self) -> int:
         return bytes_per_token(len(self.layers), self.n_kv_head, self.head_dim, self.bits)
 

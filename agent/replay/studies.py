@@ -89,7 +89,8 @@ def spearman(x: Iterable[float], y: Iterable[float]) -> float | None:
 
 # -- pairing evicted runs with the full-cache reference ---------------------------------
 def statistics_of(step: dict[str, Any]) -> dict[str, float]:
-    """Every candidate gate statistic of a step: the turn certificate and the question./answer. details."""
+    """Every candidate gate statistic of a step: the turn certificate and the question./answer./sketch. details
+    (the sketch speaks for every evicted cell, so an uncertified turn leaves its statistics as they are)."""
     out: dict[str, float] = {}
     detail = step.get("certificate_detail") or {}
     # an eviction with no room to sample has no certificate: the agent's gate fires on it whatever the
@@ -98,7 +99,7 @@ def statistics_of(step: dict[str, Any]) -> dict[str, float]:
     if step.get("certificate") is not None:
         out["turn"] = math.inf if uncertified else float(step["certificate"])
     for key, value in detail.items():
-        if not key.startswith(("question.", "answer.")):
+        if not key.startswith(("question.", "answer.", "sketch.")):
             continue  # counts and per-layer lists are not gate statistics
         if uncertified and key.startswith("question."):
             out[key] = math.inf

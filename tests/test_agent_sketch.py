@@ -1,0 +1,96 @@
+"""The evicted-key sketch in a real chat (smollm2-135m, the patched library): the engine keeps the keys of
+exactly the cells it evicted — through turns, independent probes, re-reads and truncation — and the gate reads
+the question's attention on them into every turn's detail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.config import EVICT_AT, Config, ConfigError
+from agent.engine import Engine, EngineSettings
+from agent.replay import drive
+from agent.session import ChatSession
+from memory_store.store import Store
+
+FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø in 1987."]
+FILLERS = [f"Give me one short sentence about the number {i}." for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def engine(small_model: Path):
+    eng = Engine(EngineSettings(model_path=small_model, n_ctx=2048, n_batch=256, threads=2))
+    yield eng
+    eng.close()
+
+
+def _config(**changes: object) -> Config:
+    return Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="64", max_tokens=8, gate="off",
+                  page_size=4, seed=3, sketch_layers="10,20").replace(**changes)
+
+
+def _evicted(engine: Engine) -> set[int]:
+    return set(range(engine.next_pos)) - set(engine.cache.positions)
+
+
+def _stored(engine: Engine) -> set[int]:
+    return set(engine.sketch.positions.tolist()) if engine.sketch is not None else set()
+
+
+@pytest.mark.parametrize("evict_at", EVICT_AT)
+def test_the_sketch_holds_exactly_the_evicted_cells(engine: Engine, tmp_path: Path, evict_at: str) -> None:
+    s = ChatSession(_config(evict_at=evict_at), Store(tmp_path / "log.db"), engine, "smollm2-135m")
+    for text in FACTS + FILLERS:
+        drive.forced(s, text, "Noted.")
+        assert _stored(engine) == _evicted(engine)
+    assert engine.sketch is not None and engine.sketch.n_tokens > 0
+    assert engine.sketch.layers == (10, 20)
+    # the message each stored key belongs to is the one the log says holds that position
+    messages = {m.index: m for m in s.store.messages(s.conversation_id)}
+    for pos, index in zip(engine.sketch.positions.tolist(), engine.sketch.messages.tolist()):
+        m = messages[index]
+        assert m.first_pos <= pos < m.first_pos + len(m.tokens)
+
+    if evict_at == "turn-end":
+        # an independent probe is rolled back: so is what its turn evicted (at the question, the probe's logged
+        # round would be numbered again after the rollback, which only the replays' store accepts)
+        before = _stored(engine)
+        drive.independent(s, "What is my locker code?")
+        assert _stored(engine) == before == _evicted(engine)
+
+    # a re-read puts the whole history back: the sketch empties, then refills with what the next rounds evict
+    s.reconfigure(gate="0")
+    r = s.send("And my cat's name?")
+    assert r.gate_fired
+    assert _stored(engine) == _evicted(engine)
+
+
+def test_every_turn_records_the_question_s_attention_on_evicted_messages(engine: Engine, tmp_path: Path) -> None:
+    s = ChatSession(_config(), Store(tmp_path / "log.db"), engine, "smollm2-135m")
+    results = [drive.forced(s, text, "Noted.") for text in FACTS + FILLERS]
+    results.append(s.send("What is my locker code?"))
+    sketched = [r for r in results if "sketch.max" in r.certificate_detail]
+    assert sketched, "once cells are evicted, every turn reads the sketch"
+    last = results[-1].certificate_detail
+    assert last["sketch.evicted_mass"] > 0
+    assert np.isfinite(last["sketch.max"]) and last["sketch.max"] >= 0
+    # implicated messages are mostly evicted earlier messages, most anomalous first
+    top = last["sketch.top"]
+    question = s.store.get_message(results[-1].user_message_id).index
+    assert top and all(isinstance(m, int) and m < question for m, _ in top)
+    assert [a for _, a in top] == sorted((a for _, a in top), reverse=True)
+    # the turn record keeps the numbers (the studies re-run offline from them)
+    assert s.store.turns(s.conversation_id)[-1].cert_stats["sketch.max"] == pytest.approx(last["sketch.max"])
+
+
+def test_the_sketch_needs_a_sampled_design_and_valid_layers(engine: Engine, tmp_path: Path) -> None:
+    ChatSession(_config(policy="topk"), Store(tmp_path / "a.db"), engine, "smollm2-135m")
+    assert engine.sketch is None, "a deterministic design keeps no sketch: the gate reads none"
+    with pytest.raises(ValueError, match="sketch_layers"):
+        ChatSession(_config(sketch_layers="10,99"), Store(tmp_path / "b.db"), engine, "smollm2-135m")
+    with pytest.raises(ConfigError, match="sketch_layers"):
+        _config(sketch_layers="ten")
+    with pytest.raises(ConfigError, match="sketch_bits"):
+        _config(sketch_bits=6)
