@@ -223,7 +223,7 @@ def _long_scripts(args: argparse.Namespace) -> list[Any]:
 
 
 def _cmd_demo_long(args: argparse.Namespace) -> int:
-    from agent.replay import aggregate, longchat, longdemo, runner  # noqa: PLC0415
+    from agent.replay import aggregate, batch, longchat, longdemo, runner  # noqa: PLC0415
     from agent.replay.report import command_line  # noqa: PLC0415
 
     if args.from_results:
@@ -244,7 +244,7 @@ def _cmd_demo_long(args: argparse.Namespace) -> int:
             else:
                 print(f"{s.source}: {longchat.describe(s)}", file=sys.stderr)
         max_tokens = args.max_tokens or (longchat.QUICK_MAX_TOKENS if args.quick else 32)
-        settings = longdemo.Settings(
+        settings = batch.Settings(
             out=out, policies=policies, budgets=budgets, seeds=args.seeds, gate=args.gate,
             model=args.model or longchat.FIXTURE_MODEL, max_tokens=max_tokens, n_ctx=args.n_ctx,
             threads=args.threads, shard=args.shard, plots=not args.no_plots, progress=not args.no_progress,

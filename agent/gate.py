@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -118,14 +118,6 @@ def evicted_share(reading: patched.Importance, positions: np.ndarray, logpi: np.
 SHARE_FLOOR = 1e-4
 """The smallest baseline share an anomaly divides by, so a message earlier questions ignored does not read as
 infinitely anomalous on noise."""
-
-
-class LoggedMessage(Protocol):
-    """What the planner reads of a logged message (``memory_store.records.Message``)."""
-
-    id: int
-    role: str
-    tokens: Any
 
 
 @dataclass(frozen=True)
@@ -247,14 +239,16 @@ class Gate:
         pages = positions[sampled] // self.config.page_size
         units = np.unique(np.stack([segs, pages]), axis=1).shape[1] if len(pages) else 0
         evicted = len(cache) < engine.next_pos
-        share = evicted_share(reading if reading is not None else engine.read_importance(), positions, logpi)
+        if reading is None:
+            reading = engine.read_importance()
+        share = evicted_share(reading, positions, logpi)
         turn = self.turn
         turn.question = relative_certificate(engine.read_certificate())[-rows:]
         turn.sampled_cells = int(np.count_nonzero(sampled))
         turn.uncertified = sampled_design and evicted and units < 2
         turn.evicted_share = share
         if engine.sketch is not None and engine.sketch.n_tokens:
-            self.read_sketch(engine, reading if reading is not None else engine.read_importance())
+            self.read_sketch(engine, reading)
 
     def read_sketch(self, engine: "Engine", reading: patched.Importance) -> None:
         """Phase 1 of the two-phase design: the question's attention on every earlier message, the evicted part
@@ -273,7 +267,7 @@ class Gate:
         layers = score.layers
         segs = np.asarray(engine.cache.segments, dtype=np.int64)
         cache_pos = np.asarray(engine.cache.positions, dtype=np.int64)
-        stored = sk.messages
+        stored = score.messages
         n_msg = int(max(segs.max(initial=0), stored.max(initial=0))) + 1
         kept = np.zeros((len(layers), n_msg))
         for li, layer in enumerate(layers):

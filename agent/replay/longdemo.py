@@ -13,50 +13,24 @@ cells and host memory.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from agent import models
 from agent.config import Config
 from agent.replay import aggregate, report
+from agent.replay.batch import Settings, results_path
 from agent.replay.runner import Job, Runner, RunError, default_store_path, plan_jobs, shard, unique_names
 from agent.replay.script import Script, Step
 
 POLICIES = "full,topk,poisson,poisson+gate"
 DISTANCE_BUCKETS: tuple[tuple[int, int | None], ...] = ((2, 9), (10, 49), (50, 149), (150, None))
 MIB = 1 << 20
-
-
-@dataclass
-class Settings:
-    out: Path
-    policies: list[str]
-    budgets: list[str]
-    seeds: int = 1
-    gate: str = "auto"
-    model: str | None = None
-    max_tokens: int = 32
-    n_ctx: int | None = None
-    threads: int | None = None
-    shard: str | None = None
-    plots: bool = True
-    progress: bool = True
-    generate_fillers: bool = False
-    """Answer every scripted turn too (then restore the script's reply), as ``replay --generate-fillers``."""
-    command: str = ""
-    extra_meta: dict[str, Any] = field(default_factory=dict)
-
-
-def results_path(out: Path, shard_spec: str | None) -> Path:
-    suffix = f"-shard-{shard_spec.replace('/', '-of-')}" if shard_spec else ""
-    return out / f"results{suffix}.json"
 
 
 def rss_bytes() -> int:
@@ -74,11 +48,7 @@ def _identity(name_or_path: str) -> tuple[Path, str, str]:
         path = models.model_file(name_or_path) if models.is_pulled(name_or_path) else models.resolve(name_or_path)
         return path, name_or_path, models.REGISTRY[name_or_path].sha256
     path = models.resolve(name_or_path)
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return path, path.name, digest.hexdigest()
+    return path, models.display_name(name_or_path, path), models.sha256_of(name_or_path, path)
 
 
 def context_for(scripts: list[Script], model_path: Path, max_tokens: int) -> int:
@@ -138,11 +108,10 @@ def run(scripts: list[Script], settings: Settings, base: Config,
         **settings.extra_meta,
     }
     settings.out.mkdir(parents=True, exist_ok=True)
-    out_path = results_path(settings.out, settings.shard)
+    out_path = results_path(settings)
     log(f"demo long: {len(jobs)} jobs on {', '.join(s.name for s in scripts)}; model {display}, "
         f"{cfg.threads} threads, n_ctx {n_ctx}, max_tokens {cfg.max_tokens}")
-    engine = Engine(EngineSettings(model_path=model_path, n_ctx=n_ctx, n_batch=cfg.n_batch, threads=cfg.threads,
-                                   gpu_layers=cfg.gpu_layers))
+    engine = Engine(EngineSettings.from_config(cfg, model_path, n_ctx=n_ctx))
     store = ReplayStore(default_store_path(settings.out, settings.shard))
     runs: list[dict[str, Any]] = []
     clock: dict[str, Any] = {}
