@@ -7,8 +7,10 @@
 - the per-turn overhead of eviction + certificate + store writes in a real session turn, for
   both eviction timings (config `evict_at`: after the question, or at the end of the turn);
 - the design core's time for one eviction round at 32k cells;
-- a gated re-prefill against a steady-state turn, and the next gated turn, which restores the first
-  re-read's copy (config ``reread_copy``) and prefills only what came after it.
+- a gated turn against a steady-state turn, for each re-read mode: the default gate on a question about an
+  evicted fact (a targeted re-read of the messages it points at), a forced re-prefill of the whole history,
+  and the next gated turn, which restores the first re-read's copy (config ``reread_copy``) and prefills only
+  what came after it.
 
 Numbers depend on the machine: the report names the model, threads and sizes.
 """
@@ -146,6 +148,10 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     return out
 
 
+FACT = "My gym locker code is 4172."
+PROBE = "What was my gym locker code again?"
+
+
 def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evict_at: str,
                    gated: bool = True) -> dict[str, Any]:
     """Real session turns at a ``history``-token conversation: where the time goes.
@@ -170,6 +176,8 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
 
     with tempfile.TemporaryDirectory() as tmp:
         session = ChatSession(cfg.replace(policy="full"), Store(Path(tmp) / "bench.db"), eng, model_name)
+        # a fact at the start, for the gated turn that asks for it once it is evicted
+        drive.forced(session, FACT, "Noted.")
         filler = eng.model.detokenize(_history_tokens(eng.model, 400))
         while eng.next_pos < history:
             drive.forced(session, filler, "I see.")
@@ -184,18 +192,27 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
         steady = [timed(q) for q in ("And in three words?", "Which names came up most?",
                                      "Was anything said about travel?", "Anything about work?")]
         if gated:
-            # A gated turn: τ = 0 forces the re-prefill of the whole history from the log.
-            session.reconfigure(gate="0")
+            # The default gate on a question about the evicted fact: a targeted re-read when the sketch names it.
+            session.reconfigure(gate="auto", gate_stat="auto")
+            targeted: tuple[ev.TurnResult, float] | None = timed(PROBE)
+            # τ = 0 on the certificate forces the re-prefill of the whole history from the log, and keeps its copy
+            session.reconfigure(gate="0", gate_stat="question.max", reread_copy=True)
             gated_turn: tuple[ev.TurnResult, float] | None = timed("One more time, briefly?")
             # fires again: restores the copy the first re-read left, prefills the turn since (config reread_copy)
             gated_again: tuple[ev.TurnResult, float] | None = timed("And the names, briefly?")
         else:
-            gated_turn = gated_again = None
+            targeted = gated_turn = gated_again = None
         session.close()
     eng.close()
     walls = [w for _, w in steady]
     phases = {k: float(np.median([r.timings.get(k, 0.0) for r, _ in steady])) for k in
               (*overhead_phases, "closing", "reprefill")}
+    targeted_keys = {} if targeted is None else {
+        "targeted_turn_ms": targeted[1], "targeted_path": targeted[0].reread_path or "no re-read",
+        "targeted_reprefill_tokens": targeted[0].reprefill_tokens,
+        "targeted_reread_messages": len(targeted[0].reread_messages),
+        "targeted_reprefill_ms": targeted[0].timings.get("reprefill", 0.0),
+        "targeted_recalled": "4172" in targeted[0].answer}
     gated_keys = {} if gated_turn is None or gated_again is None else {
         "gated_turn_ms": gated_turn[1], "gated_reprefill_tokens": gated_turn[0].reprefill_tokens,
         "gated_reprefill_ms": gated_turn[0].timings.get("reprefill", 0.0),
@@ -215,7 +232,7 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
         "first_turn_overhead": share(first, first_wall), "first_turn_wall_ms": first_wall,
         **{f"first_turn_{k}_ms": first.timings.get(k, 0.0) for k in overhead_phases},
         "steady_turn_ms": float(np.median(walls)),
-        **gated_keys,
+        **gated_keys, **targeted_keys,
     }
 
 
@@ -275,6 +292,12 @@ def _turn_mode_lines(out: dict[str, Any]) -> list[str]:
         f"first eviction from the full history: {f('first_turn_overhead', '{:.1%}')} of "
         f"{f('first_turn_wall_ms', '{:.0f}')} ms",
     ]
+    if "targeted_turn_ms" in out:
+        lines.append(f"steady-state turn {f('steady_turn_ms', '{:.0f}')} ms vs a question about an evicted fact "
+                     f"(default gate) {f('targeted_turn_ms', '{:.0f}')} ms = ×"
+                     f"{out['targeted_turn_ms'] / out['steady_turn_ms']:.2f}: {out.get('targeted_path')} re-read of "
+                     f"{out.get('targeted_reread_messages')} messages, {out.get('targeted_reprefill_tokens')} tokens "
+                     f"in {f('targeted_reprefill_ms', '{:.0f}')} ms; recalled: {out.get('targeted_recalled')}")
     if "gated_turn_ms" in out:
         lines.append(f"steady-state turn {f('steady_turn_ms', '{:.0f}')} ms vs gated turn {f('gated_turn_ms', '{:.0f}')} ms "
                      f"(re-prefilled {out.get('gated_reprefill_tokens')} tokens in {f('gated_reprefill_ms', '{:.0f}')} ms)")

@@ -83,6 +83,21 @@ def default_tau(statistic: str, evict_at: str = DEFAULT_EVICT_AT) -> float | Non
     return cal.tau
 
 
+def sketch_layers(n_layer: int, evict_at: str = DEFAULT_EVICT_AT) -> tuple[int, ...]:
+    """The sketch layers the calibration for ``evict_at`` chose (``sketch_layers = "auto"``), for a model of
+    ``n_layer`` layers: the calibrated ones on a model as deep as the calibration's, the same relative depths on
+    another; () when the calibrated statistic needs no sketch."""
+    cal = load(PATH, evict_at)
+    spec = cal.record.get("sketch") if cal is not None else None
+    if not spec or not spec.get("layers"):
+        return ()
+    layers = [int(x) for x in spec["layers"]]
+    ref = spec.get("n_layer")
+    if ref and int(ref) != n_layer:
+        layers = [min(n_layer - 1, round(x * (n_layer - 1) / (int(ref) - 1))) for x in layers]
+    return tuple(sorted({x for x in layers if 0 <= x < n_layer}))
+
+
 def write(record: dict[str, Any], path: Path = PATH) -> Path:
     """Add ``record`` to the file, replacing the record of the same ``evict_at``."""
     record = {**record, "evict_at": record.get("evict_at", "question")}

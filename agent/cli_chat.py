@@ -53,7 +53,7 @@ def _print_event(event: ev.Event) -> None:
         sys.stdout.flush()
     elif isinstance(event, ev.GateFired):
         why = ev.gate_reason(event)
-        print(f"\n[gate: {why} — {ev.reread_words(event.reprefill_tokens, event.restored_tokens)}]", file=sys.stderr)
+        print(f"\n[gate: {why} — {ev.gate_words(event)}]", file=sys.stderr)
     elif isinstance(event, ev.Regenerating):
         print("\n[answer discarded after a mid-answer gate breach; answering again from the full history]",
               file=sys.stderr)

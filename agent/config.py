@@ -94,17 +94,25 @@ class Config:
     """Turn statistic the gate compares with τ: "auto" (the one the calibration chose, agent/gate_calibration.json),
     question.max (maximum over the question window's rows × layers × heads of the relative certificate),
     question.q (their 95th percentile) or any key of the turn detail, e.g. answer.step_max_q (running maximum)."""
-    reread_copy: bool = True
+    reread_copy: bool = False
     """Keep the cache a gate's re-read leaves (the full history, in host memory: about 12 KB per token for
     qwen2.5-coder-0.5b) so the next firing restores it and prefills only the messages logged since. The log
     stays the source of truth: the copy is used only when its messages are, token for token, the start of what
     the log says to re-read. Off: every firing prefills the whole history again."""
-    sketch_layers: str = ""
-    """Model layers whose evicted keys the evicted-key sketch keeps, comma-separated (e.g. "11,13,15,20,22"), or
-    "" for no sketch. With a sketch every turn records ``sketch.max`` — how far the question's estimated attention
-    on a mostly evicted message exceeds what earlier questions paid it — and the messages it implicates; it costs a
-    key read and a quantisation per eviction and a scoring pass per question (docs/POISSON.md, "Phase 1"). Off by
-    default until the gating study has calibrated sketch.max."""
+    reread_budget: int = 512
+    """Most evicted tokens a targeted re-read puts back. When a sketch statistic fires the gate, the messages the
+    question points at (each with its own anomaly ≥ τ), most anomalous first, are re-read from the log at the
+    positions they were evicted from, as many as fit, and the question is prefilled again on top — tens to
+    hundreds of tokens instead of the whole history. The whole history is re-read instead when the gate fired on
+    another statistic, the turn is uncertified, more than 16 messages stand out, or the ones that fit hold less
+    than half of the question's attention above baseline on them. 0: always the whole history."""
+    sketch_layers: str = "auto"
+    """Model layers whose evicted keys the evicted-key sketch keeps, comma-separated (e.g. "11,13,15,20,22"),
+    "auto" for the layers the gate's calibration chose (agent/gate_calibration.json), or "" for no sketch. With a
+    sketch every turn records ``sketch.max`` — how far the question's estimated attention on a mostly evicted
+    message exceeds what earlier questions paid it — and the messages it implicates, which a ``sketch.*`` gate
+    re-reads; it costs a key read and a quantisation per eviction and a scoring pass per question
+    (docs/POISSON.md, "Phase 1")."""
     sketch_bits: int = 8
     """Bits per stored key value in the sketch: 8 or 4 (with a half-precision scale per row and KV head), or 32."""
     answer_certificate: bool = False
@@ -172,6 +180,9 @@ class Config:
         if not 1 <= self.question_window <= 64 or not 1 <= self.cert_window <= 64:
             raise ConfigError("question_window/cert_window: must be in [1, 64]")
         sketch_layers(self.sketch_layers)
+        if self.reread_budget < 0:
+            raise ConfigError(f"reread_budget: must be 0 or more tokens (0 = always re-read the whole history), "
+                              f"got {self.reread_budget}")
         if self.sketch_bits not in (4, 8, 32):
             raise ConfigError(f"sketch_bits: must be 4, 8 or 32, got {self.sketch_bits}")
         if self.gate_stat != "auto" and not self.gate_stat.startswith(("question.", "answer.", "sketch.")):
@@ -196,12 +207,16 @@ def parse_budget(value: str) -> tuple[str, float]:
         raise ConfigError(f"budget: expected a token count like 1024 or a share like 10%, got {value!r}") from None
 
 
-def sketch_layers(value: str) -> tuple[int, ...]:
-    """The sketch's layers from "11,13,15" ("" = none); ConfigError otherwise."""
+def sketch_layers(value: str) -> tuple[int, ...] | None:
+    """The sketch's layers from "11,13,15" ("" = none, "auto" = None: the calibrated ones); ConfigError
+    otherwise."""
+    if str(value).strip().lower() == "auto":
+        return None
     try:
         layers = tuple(int(x) for x in str(value).split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"sketch_layers: expected comma-separated layer numbers like 11,13,15, got {value!r}") from None
+        raise ConfigError(f"sketch_layers: expected comma-separated layer numbers like 11,13,15, \"auto\" or \"\", "
+                          f"got {value!r}") from None
     if any(x < 0 for x in layers) or len(set(layers)) != len(layers):
         raise ConfigError(f"sketch_layers: each layer once, 0 or more, got {value!r}")
     return tuple(sorted(layers))

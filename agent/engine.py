@@ -10,6 +10,7 @@ mirror and never write it. It knows nothing of SQLite or the UI.
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import copy
 import threading
@@ -54,12 +55,37 @@ class CacheMirror:
     """Index of the message each position belongs to (for per-turn retention and spans)."""
     logpi: list[float] = field(default_factory=list)
     """Cumulative log inclusion probability of each live position (0 until sampled)."""
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per message: the positions [first, end) it was fed at, whether still live or evicted since (a targeted
+    re-read puts a message's evicted tokens back at these positions)."""
 
     def append(self, tokens: list[int], start: int, segment: int) -> None:
         self.positions.extend(range(start, start + len(tokens)))
         self.tokens.extend(tokens)
         self.segments.extend([segment] * len(tokens))
         self.logpi.extend([0.0] * len(tokens))
+        self._extend_span(segment, start, start + len(tokens))
+
+    def insert(self, tokens: list[int], start: int, segment: int) -> None:
+        """Put ``tokens`` back at positions [start, start + n), which no live cell holds, in position order."""
+        at = bisect.bisect_left(self.positions, start)
+        n = len(tokens)
+        self.positions[at:at] = range(start, start + n)
+        self.tokens[at:at] = tokens
+        self.segments[at:at] = [segment] * n
+        self.logpi[at:at] = [0.0] * n
+
+    def _extend_span(self, segment: int, start: int, end: int) -> None:
+        span = self.spans.get(segment)
+        self.spans[segment] = (start, end) if span is None or span[1] != start else (span[0], end)
+
+    def cut(self, pos: int) -> None:
+        """Forget the spans of positions ≥ ``pos`` (the sequence was truncated there)."""
+        for segment, (first, end) in list(self.spans.items()):
+            if first >= pos:
+                del self.spans[segment]
+            elif end > pos:
+                self.spans[segment] = (first, pos)
 
     def keep(self, mask: np.ndarray) -> None:
         """Drop the positions where ``mask`` is False."""
@@ -74,6 +100,7 @@ class CacheMirror:
         self.tokens.clear()
         self.segments.clear()
         self.logpi.clear()
+        self.spans.clear()
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -91,6 +118,7 @@ class EngineSnapshot:
     next_pos: int
     sketch: EvictedKeySketch | None = None
     """The evicted cells' keys at that moment (a copy)."""
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -158,12 +186,14 @@ class Engine:
         """Everything needed to come back to this exact cache (for independent probes)."""
         return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
                               list(self.cache.segments), list(self.cache.logpi), self.next_pos,
-                              copy.deepcopy(self.sketch) if self.sketch is not None and self.sketch.n_tokens else None)
+                              copy.deepcopy(self.sketch) if self.sketch is not None and self.sketch.n_tokens else None,
+                              dict(self.cache.spans))
 
     def restore(self, snap: "EngineSnapshot") -> None:
         """Put the cache back as it was, biases included (state files carry none)."""
         self.ctx.set_seq_state(snap.state, self.SEQ)
-        self.cache = CacheMirror(list(snap.positions), list(snap.tokens), list(snap.segments), list(snap.logpi))
+        self.cache = CacheMirror(list(snap.positions), list(snap.tokens), list(snap.segments), list(snap.logpi),
+                                 dict(snap.spans))
         self.next_pos = snap.next_pos
         self._write_biases()
         if snap.sketch is not None:
@@ -262,6 +292,7 @@ class Engine:
             raise llama.LlamaError(f"could not remove positions from {pos} on")
         keep = np.asarray(self.cache.positions, dtype=np.int64) < pos
         self.cache.keep(keep)
+        self.cache.cut(pos)
         self.next_pos = pos
         self._forget_in_sketch()
 
@@ -289,19 +320,73 @@ class Engine:
         # certificate and importance report the last rows of the last ubatch only.
         first = len(tokens) % n_batch or n_batch
         bounds = [0, *range(first, len(tokens), n_batch)]
-        for offset, end in zip(bounds, [*bounds[1:], len(tokens)]):
-            if cancel is not None and cancel.is_set():
-                raise InterruptedError("prefill cancelled")
-            chunk = tokens[offset:end]
-            last_chunk = end >= len(tokens)
-            positions = list(range(self.next_pos, self.next_pos + len(chunk)))
-            self.batch.set(chunk, positions, self.SEQ, logits="last" if (logits_last and last_chunk) else "none")
-            self.ctx.decode(self.batch)
-            self.cache.append(chunk, self.next_pos, segment)
-            self.next_pos += len(chunk)
-            if progress is not None:
-                progress(end)
+        # After a truncation the newest live cell may sit below next_pos - 1 (its successors were evicted, e.g. a
+        # question taken out for a targeted re-read): llama.cpp then needs leave to continue past the gap.
+        gap = bool(self.cache.positions) and self.cache.positions[-1] != self.next_pos - 1
+        if gap:
+            self.ctx.set_reinsert(True)
+        try:
+            for offset, end in zip(bounds, [*bounds[1:], len(tokens)]):
+                if cancel is not None and cancel.is_set():
+                    raise InterruptedError("prefill cancelled")
+                chunk = tokens[offset:end]
+                last_chunk = end >= len(tokens)
+                positions = list(range(self.next_pos, self.next_pos + len(chunk)))
+                self.batch.set(chunk, positions, self.SEQ, logits="last" if (logits_last and last_chunk) else "none")
+                self.ctx.decode(self.batch)
+                self.cache.append(chunk, self.next_pos, segment)
+                self.next_pos += len(chunk)
+                if progress is not None:
+                    progress(end)
+        finally:
+            if gap:
+                self.ctx.set_reinsert(False)
         return (time.perf_counter() - start) * 1000.0
+
+    def evicted_runs(self, segment: int) -> list[tuple[int, int]]:
+        """The [p0, p1) runs of message ``segment``'s positions that are no longer in the cache."""
+        span = self.cache.spans.get(segment)
+        if span is None:
+            return []
+        live = np.asarray(self.cache.positions, dtype=np.int64)
+        live = live[(live >= span[0]) & (live < span[1])]
+        gone = np.setdiff1d(np.arange(span[0], span[1], dtype=np.int64), live, assume_unique=True)
+        return _runs(gone)
+
+    def reinsert(self, tokens: list[int], start: int, segment: int, cancel: threading.Event | None = None,
+                 progress: Callable[[int], None] | None = None) -> float:
+        """Decode ``tokens`` back at their old positions [start, start + n), evicted positions below the
+        sequence's end (patch 0005): each sees the cells before it, biases included, and every later position
+        sees it. They come back unbiased (π = 1) and leave the sketch. Returns milliseconds; ``cancel`` and
+        ``progress`` as for :meth:`feed`."""
+        n = len(tokens)
+        if n == 0:
+            return 0.0
+        live = np.asarray(self.cache.positions, dtype=np.int64)
+        if start < 0 or start + n > self.next_pos:
+            raise ValueError(f"positions [{start}, {start + n}) are not below the sequence's end {self.next_pos}")
+        if np.any((live >= start) & (live < start + n)):
+            raise ValueError(f"positions [{start}, {start + n}) are partly still in the cache")
+        if n > self.free_cells():
+            raise llama.KVCacheFull(f"{n} tokens do not fit in the {self.free_cells()} free KV cells", 1)
+        begin = time.perf_counter()
+        n_batch = self.settings.n_batch
+        self.ctx.set_reinsert(True)
+        try:
+            for offset in range(0, n, n_batch):
+                if cancel is not None and cancel.is_set():
+                    raise InterruptedError("re-read cancelled")
+                chunk = tokens[offset:offset + n_batch]
+                pos0 = start + offset
+                self.batch.set(chunk, list(range(pos0, pos0 + len(chunk))), self.SEQ, logits="none")
+                self.ctx.decode(self.batch)
+                self.cache.insert(chunk, pos0, segment)
+                if progress is not None:
+                    progress(offset + len(chunk))
+        finally:
+            self.ctx.set_reinsert(False)
+            self._forget_in_sketch()
+        return (time.perf_counter() - begin) * 1000.0
 
     # -- decode ----------------------------------------------------------------------------
     def generate(

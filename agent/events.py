@@ -64,6 +64,14 @@ def reread_words(tokens: int | None, restored: int = 0) -> str:
     return f"{words} ({restored} more restored from the last re-read)" if restored else words
 
 
+def gate_words(event: "GateFired") -> str:
+    """What a firing does, in the words the chat and the CLI show: the messages a targeted re-read brings back
+    ("re-read your turn 4 ('My gym locker code is…') (21 tokens)"), or the whole history's cost."""
+    if event.reread:
+        return f"re-read {event.reread} ({event.reprefill_tokens} tokens)"
+    return reread_words(event.reprefill_tokens, event.restored_tokens)
+
+
 @dataclass(frozen=True)
 class GateFired:
     """The gate fired: the history is re-read from the log ("re-read N tokens of history"); sent before the
@@ -83,6 +91,15 @@ class GateFired:
     points_at: str = ""
     """When a sketch statistic fired it: the evicted message the question points at, in words ("turn 4 ('My
     gym locker code is…')")."""
+    reread: str = ""
+    """A targeted re-read: the messages it brings back, in words; ``reprefill_tokens`` then counts their evicted
+    tokens only ("": the whole history is re-read)."""
+    messages: int = 0
+    """How many messages a targeted re-read brings back."""
+    question_tokens: int = 0
+    """A targeted re-read prefills the question again on top of the messages it brings back: its tokens."""
+    why_full: str = ""
+    """Why a sketch-fired gate re-reads the whole history rather than the messages it points at."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,8 @@ class MemoryView:
     """(turn number, turn certificate, gate fired) for every answered turn."""
     gate_threshold: float | None = None
     tok_per_s: float | None = None
+    reread: tuple[int, ...] = ()
+    """Indices of the messages the last turn's targeted re-read brought back (the panel marks their turns)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +174,11 @@ class TurnResult:
     logprob_mean: float | None
     restored_tokens: int = 0
     """History tokens a gate's re-read restored from the previous re-read's copy instead of prefilling them."""
+    reread_path: str = ""
+    """How the gate's re-read ran: "targeted" (only the messages the question points at, at their old positions,
+    then the question again), "full" (the whole history), or "" (no re-read)."""
+    reread_messages: list[int] = field(default_factory=list)
+    """Ids of the logged messages the re-read brought back."""
     timings: dict[str, float] = field(default_factory=dict)
     """Milliseconds by phase besides prefill and decode: evict (design, seq_rm, biases, compaction, its log
     record), certificate (reading the certificate and the attention from the graph, statistics), store (log writes on the

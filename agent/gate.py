@@ -60,7 +60,14 @@ class TurnCertificates:
     sketch: dict[str, float] = field(default_factory=dict)
     """``sketch.max`` and ``sketch.evicted_mass``: see :meth:`Gate.read_sketch`."""
     implicated: list[tuple[int, float]] = field(default_factory=list)
-    """(message index, anomaly) of the mostly evicted messages the question points at, most anomalous first."""
+    """(message index, anomaly) of the five mostly evicted messages the question points at most, most anomalous
+    first."""
+    anomalies: dict[int, float] = field(default_factory=dict)
+    """Message index → anomaly, for every mostly evicted message with a baseline (what a targeted re-read picks
+    from)."""
+    excess: dict[int, float] = field(default_factory=dict)
+    """Message index → the question's share on it above its baseline, in the layer of its anomaly: how much of
+    the question's attention it draws beyond what earlier questions paid it (the implicated mass)."""
     shares: dict[int, np.ndarray] = field(default_factory=dict)
     """Per message index: its estimated share of the question's attention in each sketch layer."""
 
@@ -150,6 +157,36 @@ class ReadPlan:
     @property
     def prefill_tokens(self) -> int:
         return sum(len(m.tokens) for m in self.to_prefill)
+
+
+MAX_TARGETED = 16
+"""Most messages a targeted re-read brings back: when more stand out, the question's attention on evicted history
+is spread, not pointed, and the whole history is re-read."""
+
+COVER = 0.5
+"""The share of the implicated mass (the question's attention above baseline on the messages past τ) that the
+messages fitting ``reread_budget`` must hold for a targeted re-read; less, and the whole history is re-read."""
+
+
+@dataclass(frozen=True)
+class TargetedRead:
+    """A targeted re-read: the evicted tokens of the messages the question points at, put back at the positions
+    they were evicted from, from the log's exact token ids; then the question is prefilled again on top."""
+
+    messages: list[tuple[Any, int, list[tuple[int, int]]]]
+    """(logged message, its first position, its evicted [p0, p1) runs), most implicated first."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(p1 - p0 for _, _, runs in self.messages for p0, p1 in runs)
+
+    @property
+    def ids(self) -> list[int]:
+        return [m.id for m, _, _ in self.messages]
+
+    @property
+    def indices(self) -> list[int]:
+        return [m.index for m, _, _ in self.messages]
 
 
 def choose_messages(messages: Sequence[Any], room: int) -> tuple[list[Any], bool]:
@@ -281,13 +318,19 @@ class Gate:
         n_gone = np.bincount(stored, minlength=n_msg)[:n_msg]
         n_live = np.bincount(segs, minlength=n_msg)[:n_msg]
         anomalies: dict[int, float] = {}
+        excess: dict[int, float] = {}
         for m in np.flatnonzero(n_gone > n_live):
             earlier = self._paid.get(int(m), [])
             if len(earlier) >= 2:
                 base = np.median(np.stack(earlier), axis=0)
-                anomalies[int(m)] = float(np.max(share[:, m] / np.maximum(base, SHARE_FLOOR)))
+                ratio = share[:, m] / np.maximum(base, SHARE_FLOOR)
+                top = int(np.argmax(ratio))
+                anomalies[int(m)] = float(ratio[top])
+                excess[int(m)] = float(max(share[top, m] - base[top], 0.0))
         turn = self.turn
         turn.shares = {int(m): share[:, m].copy() for m in np.flatnonzero(n_gone + n_live)}
+        turn.anomalies = anomalies
+        turn.excess = excess
         turn.implicated = sorted(anomalies.items(), key=lambda kv: -kv[1])[:5]
         turn.sketch = {"sketch.max": max(anomalies.values(), default=0.0),
                        "sketch.evicted_mass": float(gone.sum(axis=1).mean())}
@@ -295,7 +338,10 @@ class Gate:
     def question_decision(self) -> GateDecision:
         tau = self.threshold()
         value = self.turn.statistics().get(self.statistic)
-        if self.turn.uncertified and tau is not None:
+        # Too few sampled pages leave the kept sample's certificate nothing to estimate from; a sketch statistic
+        # reads every evicted cell instead, so the rule stands only where no sketch spoke.
+        sketch_spoke = self.statistic.startswith("sketch.") and value is not None
+        if self.turn.uncertified and tau is not None and not sketch_spoke:
             return GateDecision(value if value is not None else 0.0, tau, fire=True, uncertified=True)
         if not self.statistic.startswith(("question.", "sketch.")):
             return GateDecision(None, tau, False)
@@ -328,6 +374,48 @@ class Gate:
         return self.turn.statistics().get(self.statistic)
 
     # -- the re-read planner --------------------------------------------------------------
+    def plan_targeted(self, decision: GateDecision, logged: dict[int, Any], engine: "Engine",
+                      free_cells: int) -> tuple[TargetedRead | None, str]:
+        """The messages a question-phase firing brings back, or (None, why the whole history is re-read instead).
+
+        Only a sketch statistic names messages. The messages whose own anomaly reaches τ are the implicated
+        ones (at most :data:`MAX_TARGETED`, else the attention is spread); they come back whole (every evicted
+        run), most anomalous first, as many as fit ``reread_budget`` — when those hold at least :data:`COVER` of
+        the implicated mass. ``logged``: the log's re-readable messages by index (exact token ids), checked
+        against the positions the engine fed them at and the tokens still live there — on any disagreement the
+        log wins and the whole history is re-read."""
+        tau = decision.threshold
+        if self.config.reread_budget <= 0:
+            return None, "targeted re-reads are off (reread_budget = 0)"
+        if not self.statistic.startswith("sketch.") or decision.uncertified or tau is None:
+            return None, "the uncertified sample names no message" if decision.uncertified else \
+                f"the gate read {self.statistic}, which names no message"
+        ranked = sorted(self.turn.anomalies.items(), key=lambda kv: -kv[1])
+        chosen = [index for index, anomaly in ranked if math.isfinite(anomaly) and anomaly >= tau]
+        if not chosen:
+            return None, "no single evicted message stands out"
+        if len(chosen) > MAX_TARGETED:
+            return None, f"the question's attention is spread over {len(chosen)} evicted messages"
+        plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
+        room = min(self.config.reread_budget, free_cells)
+        implicated = sum(self.turn.excess.get(i, 0.0) for i in chosen)
+        covered = 0.0
+        for index in chosen:
+            message, span = logged.get(index), engine.cache.spans.get(index)
+            if message is None or span is None or message.tokens is None or len(message.tokens) != span[1] - span[0]:
+                return None, f"message {index} is not where the log puts it"
+            if not _live_tokens_match(engine, index, span[0], message.tokens):
+                return None, f"the cache and the log disagree on message {index}"
+            runs = engine.evicted_runs(index)
+            if sum(p1 - p0 for p0, p1 in runs) > room:
+                break
+            room -= sum(p1 - p0 for p0, p1 in runs)
+            covered += self.turn.excess.get(index, 0.0)
+            plan.append((message, span[0], runs))
+        if not plan or (implicated > 0 and covered < COVER * implicated):
+            return None, "the messages the question points at hold more evicted tokens than the re-read budget"
+        return TargetedRead(plan), ""
+
     def plan_reread(self, conversation_id: int, messages: Sequence[Any], room: int) -> ReadPlan:
         """Which of the logged ``messages`` (with their exact tokens) a re-read into ``room`` cells holds, and
         how many of the first the host copy serves."""
@@ -360,3 +448,15 @@ class Gate:
         if self.config.reread_copy and policies.get(self.config.policy).evicts and self.threshold() is not None:
             self.copy = ReadCopy(conversation_id, tuple((m.id, tuple(int(t) for t in m.tokens)) for m in chosen),
                                  engine.snapshot())
+
+
+def _live_tokens_match(engine: "Engine", index: int, first: int, tokens: Sequence[int]) -> bool:
+    """Whether the live cells of message ``index`` hold the log's tokens at their offsets from ``first``."""
+    segs = np.asarray(engine.cache.segments, dtype=np.int64)
+    where = np.flatnonzero(segs == index)
+    if not len(where):
+        return True
+    pos = np.asarray(engine.cache.positions, dtype=np.int64)[where] - first
+    live = np.asarray(engine.cache.tokens, dtype=np.int64)[where]
+    logged = np.asarray([int(t) for t in tokens], dtype=np.int64)
+    return bool(pos.min() >= 0 and pos.max() < len(logged) and np.array_equal(logged[pos], live))

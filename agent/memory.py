@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from agent import policies
+from agent import calibration, policies
 from agent.config import Config, parse_budget
 from agent.config import sketch_layers as parse_sketch_layers
 from agent.engine import Engine
@@ -66,8 +66,10 @@ class CacheManager:
         # held-back question tokens and one-token decodes.
         # The sketch keeps what a sampled design evicts, for the gate: its query rows are the certificate window's.
         sketched = self.policy.sampled and self.policy.evicts
-        self.engine.set_sketch(parse_sketch_layers(config.sketch_layers) if sketched else (), config.sketch_bits,
-                               config.cert_window)
+        layers = parse_sketch_layers(config.sketch_layers)
+        if layers is None:
+            layers = calibration.sketch_layers(self.engine.info.n_layer, config.evict_at)
+        self.engine.set_sketch(layers if sketched else (), config.sketch_bits, config.cert_window)
         if self.policy.reads_attention:
             self.engine.set_readout(True, self.readout_rows)
         elif self.engine.readout[1]:

@@ -35,7 +35,7 @@ import numpy as np
 from agent import events as ev
 from agent.config import Config
 from agent.engine import Engine, EngineSettings, Generation
-from agent.gate import Gate, GateDecision, ReadPlan
+from agent.gate import Gate, GateDecision, ReadPlan, TargetedRead
 from agent.memory import CacheManager, EvictionReport
 from agent.template import ChatTemplate, Message as TemplateMessage, strip_bos
 from memory_store.records import EvictionRound, Message, Turn as TurnRecord
@@ -92,6 +92,10 @@ class Turn:
     reprefill_tokens: int = 0
     restored_tokens: int = 0
     gate_fired: bool = False
+    reread_path: str = ""
+    """How the gate's re-read ran: "targeted" (the implicated messages), "full" (the whole history) or ""."""
+    reread_messages: list[int] = field(default_factory=list)
+    """Ids of the logged messages the re-read brought back (restored from a copy or prefilled)."""
     generation: Generation | None = None
     answer_id: int | None = None
 
@@ -249,13 +253,15 @@ class ChatSession:
             live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, certificate=stat,
             certificate_detail=self.gate.turn.detail(), gate_threshold=self.gate.threshold(),
             gate_fired=turn.gate_fired, reprefill_tokens=turn.reprefill_tokens,
-            restored_tokens=turn.restored_tokens, prefill_ms=turn.prefill_ms, decode_ms=gen.decode_ms,
+            restored_tokens=turn.restored_tokens, reread_path=turn.reread_path,
+            reread_messages=list(turn.reread_messages), prefill_ms=turn.prefill_ms, decode_ms=gen.decode_ms,
             decode_tok_s=gen.tok_per_s, answer_tokens=len(gen.tokens),
             logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None, timings=clock.ms,
         )
         with clock("store"):
             self._record_turn(result, turn.answer_id, refused)
-        on_event(ev.TurnFinished(result, self.memory_view()))
+        reread = tuple(self._index_of(i) for i in turn.reread_messages) if turn.reread_path == "targeted" else ()
+        on_event(ev.TurnFinished(result, self.memory_view(reread)))
         if refused is not None:
             raise refused
         return result
@@ -493,12 +499,19 @@ class ChatSession:
     # -- re-reading the history ---------------------------------------------------------------
     def _reread(self, turn: Turn, decision: GateDecision, phase: str, on_event: EventSink,
                 cancel: threading.Event | None) -> None:
-        """The gate fired: re-read the history from the log into a fresh cache. Cancelled part-way
-        (``InterruptedError``), the cache is put back as it was before the re-read."""
-        plan = self._plan_reread()
+        """The gate fired: before answering, re-read only the messages the question points at when the gate
+        can name them (:meth:`Gate.plan_targeted`), else the whole history from the log into a fresh cache.
+        Cancelled part-way (``InterruptedError``), the cache is put back as it was before the re-read."""
         assert decision.value is not None and decision.threshold is not None
+        why_full = "mid-answer breach"
+        if phase == "question":
+            target, why_full = self._plan_targeted(decision)
+            if target is not None:
+                self._reread_targeted(turn, decision, target, on_event, cancel)
+                return
+        plan = self._plan_reread()
         on_event(ev.GateFired(phase, decision.value, decision.threshold, plan.prefill_tokens, plan.truncated,
-                              decision.uncertified, plan.restored_tokens, self._points_at()))
+                              decision.uncertified, plan.restored_tokens, self._points_at(), why_full=why_full))
         if plan.truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))
@@ -513,12 +526,58 @@ class ChatSession:
         turn.gate_fired = True
         turn.reprefill_tokens += plan.prefill_tokens
         turn.restored_tokens += plan.restored_tokens
+        turn.reread_path = "full"
+        turn.reread_messages = [m.id for m in plan.messages]
+
+    def _plan_targeted(self, decision: GateDecision) -> tuple[TargetedRead | None, str]:
+        history = self.store.history(self.conversation_id)
+        logged = {m.index: m for m in history.messages if not m.meta.get("discarded")}
+        return self.gate.plan_targeted(decision, logged, self.engine, self.engine.free_cells())
+
+    def _reread_targeted(self, turn: Turn, decision: GateDecision, target: TargetedRead, on_event: EventSink,
+                         cancel: threading.Event | None) -> None:
+        """Take the question out, put the implicated messages' evicted tokens back at their old positions from
+        the log's exact token ids, and prefill the question again on top, so its rows attend to them. The
+        re-inserted cells are unbiased and stay for the turn; at its end they rejoin the eviction pool."""
+        assert decision.value is not None and decision.threshold is not None
+        words = ", ".join(self._message_words(i) for i in target.indices)
+        on_event(ev.GateFired("question", decision.value, decision.threshold, target.tokens,
+                              points_at=self._points_at(), reread=words, messages=len(target.messages),
+                              question_tokens=len(turn.tokens)))
+        saved = self.checkpoint() if cancel is not None else None
+        total = target.tokens + len(turn.tokens)
+        try:
+            self.engine.truncate(turn.first_pos)
+            done = 0
+            on_event(ev.Rereading(0, total))
+            for message, first, runs in target.messages:
+                toks = [int(t) for t in message.tokens]
+                for p0, p1 in runs:
+                    base = done
+                    self.engine.reinsert(toks[p0 - first:p1 - first], p0, message.index, cancel=cancel,
+                                         progress=lambda n, base=base: on_event(ev.Rereading(base + n, total)))
+                    done += p1 - p0
+            self.memory.set_readout(True)
+            self.engine.feed(turn.tokens, segment=turn.user.index, cancel=cancel)
+            on_event(ev.Rereading(total, total))
+        except InterruptedError:
+            assert saved is not None
+            self.rollback(saved)
+            raise
+        self.gate.record_firing(decision)
+        turn.gate_fired = True
+        turn.reprefill_tokens += total
+        turn.reread_path = "targeted"
+        turn.reread_messages = target.ids
 
     def _points_at(self) -> str:
         """The evicted message a sketch-statistic gate fired on, in words; "" for any other gate."""
         if not self.gate.statistic.startswith("sketch.") or not self.gate.turn.implicated:
             return ""
-        index = self.gate.turn.implicated[0][0]
+        return self._message_words(self.gate.turn.implicated[0][0])
+
+    def _message_words(self, index: int) -> str:
+        """A message in words: "your turn 4 ('My gym locker code is…')"."""
         segment = next((s for s in self._segments if s.index == index), None)
         if segment is None:
             return f"message {index}"
@@ -633,17 +692,23 @@ class ChatSession:
             tokens_per_s=result.decode_tok_s, seed=self.config.seed,
             extra={"stop": result.stop, "logprob_mean": result.logprob_mean, "budget": self.config.budget,
                    "restored_tokens": result.restored_tokens,
+                   **({"reread_path": result.reread_path, "reread_messages": result.reread_messages}
+                      if result.reread_path else {}),
                    **({"eviction_error": str(eviction_error)} if eviction_error is not None else {}),
                    "timings_ms": {k: round(v, 3) for k, v in result.timings.items()}},
         ))
 
-    def memory_view(self) -> ev.MemoryView:
+    def _index_of(self, message_id: int) -> int:
+        return self.store.get_message(message_id).index
+
+    def memory_view(self, reread: tuple[int, ...] = ()) -> ev.MemoryView:
         retained = self.memory.retained_by_message({s.index: s.role for s in self._segments},
                                                    self._message_lengths())
         return ev.MemoryView(
             model=self.model_name, policy=self.config.policy, budget_cells=self.memory.budget_cells(),
             live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, retained=retained,
             certificates=list(self._turn_certs), gate_threshold=self.gate.threshold(), tok_per_s=self._last_tok_s,
+            reread=reread,
         )
 
     def _message_lengths(self) -> dict[int, int]:

@@ -414,6 +414,10 @@ class Context:
         """Move the sequence's live cells to the lowest indices, so attention spans only them."""
         return patched.compact(self.handle, seq_id)
 
+    def set_reinsert(self, on: bool) -> None:
+        """Accept batches below the sequence's largest position, at positions it does not hold (patch 0005)."""
+        patched.set_reinsert(self.handle, on)
+
     def set_attn_readout(self, on: bool, n_window: int) -> None:
         """Compute the certificate and the per-cell importance over the last ``n_window`` rows of each
         ubatch, or stop (the graph drops them; the window is kept so resuming rebuilds nothing)."""

@@ -24,8 +24,9 @@ from numpy.typing import ArrayLike, NDArray
 
 from native import runtime
 
-MIN_PATCH_VERSION = 4
-"""The patch level these bindings need (0001 bias, 0002 compaction, 0003 certificate, 0004 keys and queries)."""
+MIN_PATCH_VERSION = 5
+"""The patch level these bindings need (0001 bias, 0002 compaction, 0003 certificate, 0004 keys and queries,
+0005 re-insertion at old positions)."""
 
 MAX_WINDOW = 64
 """Most query rows the certificate reports per ubatch (LLAMA_ATTN_CERT_MAX_WINDOW)."""
@@ -85,6 +86,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "llama_set_attn_queries": ([_p, _pi32, _i32, _i32], _i32),
     "llama_get_attn_queries_dims": ([_p, _pi32, _pi32, _pi32, _pi32], _i32),
     "llama_get_attn_queries": ([_p, _pi32, _pf32, _pf32, _pf32, ctypes.c_size_t], _i32),
+    "llama_set_reinsert": ([_p, ctypes.c_bool], _i32),
 }
 
 
@@ -187,6 +189,12 @@ def get_bias(mem: Any, seq_id: int) -> tuple[NDArray[np.int32], NDArray[np.float
 def compact(ctx: Any, seq_id: int = 0) -> int:
     """Move the live cells of ``seq_id``'s stream to the lowest indices; returns the new used extent."""
     return _check("compact", lib().llama_kv_seq_compact(ctx, seq_id))
+
+
+def set_reinsert(ctx: Any, on: bool) -> None:
+    """Let decodes place tokens below a sequence's largest position, in free positions (re-inserting evicted
+    tokens where they were), or stop; refused for recurrent and hybrid memory."""
+    _check("set_reinsert", lib().llama_set_reinsert(ctx, bool(on)))
 
 
 def extent(mem: Any, seq_id: int = 0) -> int:

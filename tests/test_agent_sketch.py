@@ -61,7 +61,7 @@ def test_the_sketch_holds_exactly_the_evicted_cells(engine: Engine, tmp_path: Pa
         assert _stored(engine) == before == _evicted(engine)
 
     # a re-read puts the whole history back: the sketch empties, then refills with what the next rounds evict
-    s.reconfigure(gate="0")
+    s.reconfigure(gate="0", gate_stat="question.max")
     r = s.send("And my cat's name?")
     assert r.gate_fired
     assert _stored(engine) == _evicted(engine)

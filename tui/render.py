@@ -35,7 +35,7 @@ def gate_note(event: ev.GateFired) -> str:
     where = "before answering" if event.phase == "question" else "mid-answer"
     why = (ev.gate_reason(event) if event.uncertified or event.points_at
            else f"certificate {fmt_value(event.value)} ≥ τ {fmt_value(event.threshold)}")
-    note = f"{GATE_MARK} {ev.reread_words(event.reprefill_tokens, event.restored_tokens)} {where} ({why})"
+    note = f"{GATE_MARK} {ev.gate_words(event)} {where} ({why})"
     if event.truncated:
         note += " — only the most recent part fits the context"
     return note
@@ -157,28 +157,34 @@ class TurnRetention:
     turn: int
     user: float | None
     assistant: float | None
+    reread: bool = False
+    """The last turn's targeted re-read brought this turn's question or answer back."""
 
 
-def retention_by_turn(retained: list[tuple[int, str, float]]) -> tuple[float | None, list[TurnRetention]]:
-    """Group (index, role, share) per message into (system share, per-turn shares)."""
+def retention_by_turn(retained: list[tuple[int, str, float]],
+                      reread: tuple[int, ...] = ()) -> tuple[float | None, list[TurnRetention]]:
+    """Group (index, role, share) per message into (system share, per-turn shares); ``reread``: the indices of
+    the messages the last targeted re-read brought back."""
     system: float | None = None
     turns: list[TurnRetention] = []
-    for _, role, share in sorted(retained):
+    for index, role, share in sorted(retained):
+        back = index in reread
         if role == "system":
             system = share
         elif role == "user":
-            turns.append(TurnRetention(len(turns) + 1, share, None))
+            turns.append(TurnRetention(len(turns) + 1, share, None, back))
         elif turns and turns[-1].assistant is None:
             last = turns[-1]
-            turns[-1] = TurnRetention(last.turn, last.user, share)
+            turns[-1] = TurnRetention(last.turn, last.user, share, last.reread or back)
         else:
-            turns.append(TurnRetention(len(turns) + 1, None, share))
+            turns.append(TurnRetention(len(turns) + 1, None, share, back))
     return system, turns
 
 
-def retention_rows(retained: list[tuple[int, str, float]], width: int) -> Content:
-    """One line per turn: the share of its question and of its answer still in the cache."""
-    system, turns = retention_by_turn(retained)
+def retention_rows(retained: list[tuple[int, str, float]], width: int, reread: tuple[int, ...] = ()) -> Content:
+    """One line per turn: the share of its question and of its answer still in the cache; a turn the last
+    targeted re-read brought back is marked ↻ in the warning colour."""
+    system, turns = retention_by_turn(retained, reread)
     if system is None and not turns:
         return Content.assemble(("nothing cached yet", "$text-muted"))
     label_w = max(3, len(str(max(len(turns), 1))) + 1)
@@ -189,7 +195,9 @@ def retention_rows(retained: list[tuple[int, str, float]], width: int) -> Conten
         lines.append(Content.assemble(("sys".ljust(label_w), "$text-muted"), " ", share_bar(system, bar_w),
                                       f"{round(system * 100):>4}%"))
     for t in turns:
-        cells: list[Content | tuple[str, str] | str] = [(f"T{t.turn}".ljust(label_w), "$text-muted"), " "]
+        label = (f"{GATE_MARK}{t.turn}".ljust(label_w), "$warning") if t.reread else \
+            (f"T{t.turn}".ljust(label_w), "$text-muted")
+        cells: list[Content | tuple[str, str] | str] = [label, " "]
         for share in (t.user, t.assistant):
             if share is None:
                 cells += [Content(" " * bar_w), "     "]

@@ -110,6 +110,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
     out_path = results_path(settings)
     runs: list[dict[str, Any]] = []
     engine = Engine(EngineSettings.from_config(cfg, model_path, n_ctx=n_ctx))
+    meta["n_layer"] = engine.info.n_layer
     store = ReplayStore(default_store_path(settings.out, settings.shard))
     total = sum(len(by_name[j.script].steps) for j in jobs)
     try:

@@ -276,7 +276,8 @@ class Runner:
                 watch.peak_cells = max(watch.peak_cells, event.cells_before)
             elif isinstance(event, ev.GateFired):
                 watch.gate_events.append({"phase": event.phase, "value": event.value,
-                                          "threshold": event.threshold, "tokens": event.reprefill_tokens})
+                                          "threshold": event.threshold, "tokens": event.reprefill_tokens,
+                                          "targeted": bool(event.reread), "why_full": event.why_full})
 
         try:
             text = answer if answer is not None else step.assistant or ""
@@ -340,6 +341,7 @@ class Runner:
             "gate_threshold": result.gate_threshold, "gate_fired": result.gate_fired,
             "gate_events": watch.gate_events, "reprefill_tokens": result.reprefill_tokens,
             "restored_tokens": result.restored_tokens,
+            "reread_path": result.reread_path, "reread_messages": list(result.reread_messages),
             "answer_tokens": 0 if forced else result.answer_tokens,
             "decode_ms": 0.0 if forced else result.decode_ms,
             "prefill_ms": result.prefill_ms, "logprob_mean": result.logprob_mean, "stop": result.stop,

@@ -408,6 +408,7 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
             "probe_target": best.get("probe_target"),
             "budgets": best["budgets"], "protocol": protocol, "in_sample": best["in_sample"],
             "leave_one_script_out": best["leave_one_script_out"],
+            **({"sketch": _sketch_spec(result["meta"])} if statistic.startswith("sketch.") else {}),
             "model": result["meta"].get("model"), "command": result["meta"].get("command"),
             "study_command": result.get("command"), "machine": result["meta"].get("machine"),
             # the other rule's threshold for the same statistic, so the choice is visible
@@ -416,6 +417,17 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
                              for c in result.get("calibration", []) if c["statistic"] == statistic
                              and c["protocol"] == protocol and c["policy"] == "poisson"
                              and c.get("rule", "fillers") != rule]}
+
+
+def _sketch_spec(meta: dict[str, Any]) -> dict[str, Any]:
+    """The sketch the replays scored (its layers, bits and the model's depth), for ``sketch_layers = "auto"``."""
+    design = meta.get("design", {})
+    layers = design.get("sketch_layers")
+    if not layers:  # results from before the design recorded it: the replay command names them
+        words = str(meta.get("command", "")).split()
+        layers = words[words.index("--sketch-layers") + 1] if "--sketch-layers" in words else ""
+    return {"layers": [int(x) for x in str(layers).split(",") if x.strip()], "bits": int(design.get("sketch_bits", 8)),
+            "n_layer": meta.get("n_layer")}
 
 
 def write_calibration(record: dict[str, Any], path: Path | None = None) -> Path:

@@ -65,7 +65,7 @@ class MemoryPanel(Vertical):
         chart.certificates = list(memory.certificates)
         self.query_one("#caption", Static).update(
             render.chart_caption(memory.certificates, memory.gate_threshold, chart.size.width or width))
-        self.query_one("#retained", Static).update(render.retention_rows(memory.retained, width - 1))
+        self.query_one("#retained", Static).update(render.retention_rows(memory.retained, width - 1, memory.reread))
 
     def on_resize(self) -> None:
         self.memory = self.memory  # re-draw the width-dependent bars
@@ -75,5 +75,7 @@ class MemoryPanel(Vertical):
             Content(f"evicted: {event.cells_before}→{event.cells_after} cells, {event.ms:.0f} ms"))
 
     def note_gate(self, event: ev.GateFired) -> None:
+        what = f"{event.messages} message{'s' if event.messages != 1 else ''}, " if event.reread else ""
         self.query_one("#last-event", Static).update(
-            Content.assemble((f"{render.GATE_MARK} gate fired: re-read {event.reprefill_tokens} tokens", "$warning")))
+            Content.assemble((f"{render.GATE_MARK} gate fired: re-read {what}{event.reprefill_tokens} tokens",
+                              "$warning")))

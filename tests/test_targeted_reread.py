@@ -1,0 +1,144 @@
+"""Targeted re-reads in a real chat: a recall probe that fires the sketch gate brings back only the fact's
+messages, at their old positions, and answers as the full cache does (qwen2.5-coder-0.5b, greedy, recall30
+seed-02); Esc during that re-read puts the evicted cache back; the log, the turn record and the events say
+which path ran and what came back; the whole history is re-read when no message can be named (smollm2-135m).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from agent import events as ev
+from agent.config import Config
+from agent.engine import Engine, EngineSettings
+from agent.replay import drive, script as scripts
+from agent.session import ChatSession
+from memory_store.store import Store
+
+FIXTURE = Path(__file__).resolve().parents[1] / "agent" / "replay" / "fixtures" / "recall30" / "seed-02.jsonl"
+SKETCH: dict[str, object] = {}
+"""The shipped gate: sketch.max with the layers and τ the calibration chose (agent/gate_calibration.json)."""
+
+
+@pytest.fixture(scope="module")
+def qwen(model_path: Callable[[str], Path]):
+    eng = Engine(EngineSettings(model_path=model_path("qwen2.5-coder-0.5b"), n_ctx=4096, n_batch=512, threads=2))
+    yield eng
+    eng.close()
+
+
+def _config(**changes: object) -> Config:
+    base = Config(model="qwen2.5-coder-0.5b", n_ctx=4096, policy="poisson", budget="10%", max_tokens=40,
+                  temperature=0.0, seed=0, reread_copy=False)
+    return base.replace(**changes)
+
+
+def _until_probe(session: ChatSession) -> scripts.Step:
+    """Teacher-force the script up to its first probe; returns that probe."""
+    script = scripts.load(FIXTURE)
+    for step in script.steps:
+        if step.probe is not None:
+            return step
+        assert step.assistant is not None
+        drive.forced(session, step.user, step.assistant)
+    raise AssertionError("the fixture has no probe")
+
+
+def _state(engine: Engine) -> tuple[list[int], list[float], list[int]]:
+    stored = engine.sketch.positions.tolist() if engine.sketch is not None else []
+    return list(engine.cache.positions), list(engine.cache.logpi), sorted(stored)
+
+
+def test_a_probe_answered_after_a_targeted_reread_matches_the_full_cache(qwen: Engine, tmp_path: Path) -> None:
+    full = ChatSession(_config(policy="full", gate="off"), Store(tmp_path / "full.db"), qwen, "qwen2.5-coder-0.5b")
+    probe = _until_probe(full)
+    want = full.send(probe.user).answer
+    assert any(e in want for e in probe.probe.expect), "the full cache recalls the fact"
+
+    store = Store(tmp_path / "gated.db")
+    s = ChatSession(_config(**SKETCH), store, qwen, "qwen2.5-coder-0.5b")
+    _until_probe(s)
+    before = _state(qwen)
+
+    # Esc during the targeted re-read: the evicted cache comes back, the message stays logged, unanswered.
+    cancel = threading.Event()
+    seen: list[ev.Event] = []
+
+    def stop_at_reread(event: ev.Event) -> None:
+        seen.append(event)
+        if isinstance(event, ev.Rereading) and event.done > 0:
+            cancel.set()
+
+    with pytest.raises(InterruptedError):
+        s.send(probe.user, on_event=stop_at_reread, cancel=cancel)
+    fired = [e for e in seen if isinstance(e, ev.GateFired)]
+    assert fired and fired[0].reread, "the sketch named the messages to bring back"
+    assert _state(qwen) == before
+    logged = store.messages(s.conversation_id)[-1]
+    assert logged.role == "user" and logged.meta.get("cancelled") == "reprefill"
+
+    events: list[ev.Event] = []
+    result = s.send(probe.user, on_event=events.append)
+    assert result.gate_fired and result.reread_path == "targeted"
+    assert result.answer == want
+    # what came back is the fact's message (its user line or the answer that echoed it), a few dozen tokens
+    fact_ids = {m.id for m in store.messages(s.conversation_id)
+                if m.index in (2 * probe.probe.fact_turn - 1, 2 * probe.probe.fact_turn)}
+    assert fact_ids & set(result.reread_messages)
+    question = len(store.get_message(result.user_message_id).tokens)
+    assert 0 < result.reprefill_tokens - question <= 128
+    assert result.restored_tokens == 0
+    fired = [e for e in events if isinstance(e, ev.GateFired)][0]
+    assert fired.reread and "turn" in fired.reread and fired.messages == len(result.reread_messages)
+    # the turn record keeps the path and the messages; the panel marks their turns
+    record = store.turns(s.conversation_id)[-1]
+    assert record.extra["reread_path"] == "targeted"
+    assert record.extra["reread_messages"] == result.reread_messages
+    finished = [e for e in events if isinstance(e, ev.TurnFinished)][0]
+    assert {store.get_message(i).index for i in result.reread_messages} == set(finished.memory.reread)
+    # positions, mirror and log agree after the turn-end eviction: every live cell holds the log's token
+    by_index = {m.index: m for m in store.messages(s.conversation_id) if m.tokens is not None}
+    for pos, tok, seg in zip(qwen.cache.positions, qwen.cache.tokens, qwen.cache.segments):
+        m = by_index[seg]
+        assert qwen.cache.spans[seg][0] == m.first_pos
+        assert int(m.tokens[pos - m.first_pos]) == tok
+
+
+@pytest.fixture(scope="module")
+def small(small_model: Path):
+    eng = Engine(EngineSettings(model_path=small_model, n_ctx=2048, n_batch=256, threads=2))
+    yield eng
+    eng.close()
+
+
+FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø in 1987."]
+FILLERS = [f"Give me one short sentence about the number {i}." for i in range(12)]
+
+
+@pytest.mark.parametrize(("changes", "why"), [
+    (dict(gate_stat="question.max", gate="0"), "names no message"),
+    (dict(gate_stat="sketch.max", gate="0"), "spread over"),
+    (dict(gate_stat="sketch.max", gate="1", reread_budget=1), "re-read budget"),
+    (dict(gate_stat="sketch.max", gate="0.5", reread_budget=0), "reread_budget = 0"),
+])
+def test_the_whole_history_is_reread_when_no_message_can_be_named(small: Engine, tmp_path: Path,
+                                                                  changes: dict, why: str) -> None:
+    cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="64", max_tokens=8, gate="off",
+                 page_size=4, seed=3, sketch_layers="10,20", reread_copy=False)
+    s = ChatSession(cfg, Store(tmp_path / "log.db"), small, "smollm2-135m")
+    for text in FACTS + FILLERS:
+        drive.forced(s, text, "Noted.")
+    s.reconfigure(**changes)
+    events: list[ev.Event] = []
+    result = s.send("What is my locker code?", on_event=events.append)
+    fired = [e for e in events if isinstance(e, ev.GateFired)]
+    assert result.gate_fired and result.reread_path == "full" and fired
+    assert not fired[0].reread and why in fired[0].why_full
+    logged = [m.id for m in s.store.messages(s.conversation_id) if not m.meta.get("discarded")]
+    assert result.reread_messages == logged[:-1], "every logged message but the answer being written"
+    assert np.all(np.diff(small.cache.positions) > 0)
