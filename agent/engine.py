@@ -167,6 +167,8 @@ class Engine:
         self._sketch_spec: tuple[tuple[int, ...], int, int] = ((), 8, 0)
         """(layers, bits, query window) of the sketch; no layers: none."""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.biases_lifted = False
+        """The cells' −log π biases are lifted for this turn (:meth:`lift_biases`)."""
 
     def close(self) -> None:
         """Free in dependency order: batch, context, model."""
@@ -234,9 +236,23 @@ class Engine:
         self.ctx.compact(self.SEQ)
 
     def _write_biases(self) -> None:
+        self.biases_lifted = False
         if len(self.cache):
             bias = (-np.asarray(self.cache.logpi, dtype=np.float64)).astype(np.float32)
             self.ctx.set_bias(self.SEQ, np.asarray(self.cache.positions, dtype=np.int32), bias)
+
+    def lift_biases(self) -> None:
+        """Let attention read every live cell as itself — bias 0 — until :meth:`restore_biases`, the next
+        :meth:`evict` or :meth:`restore`; the mirror keeps each cell's cumulative log π for the next round."""
+        if len(self.cache):
+            self.ctx.set_bias(self.SEQ, np.asarray(self.cache.positions, dtype=np.int32),
+                              np.zeros(len(self.cache), dtype=np.float32))
+        self.biases_lifted = True
+
+    def restore_biases(self) -> None:
+        """Write the −log π biases back after :meth:`lift_biases` (nothing to do otherwise)."""
+        if self.biases_lifted:
+            self._write_biases()
 
     # -- the attention readout -------------------------------------------------------------
     def set_readout(self, on: bool, window: int) -> None:

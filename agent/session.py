@@ -241,6 +241,7 @@ class ChatSession:
                 self.evict_turn_end(turn, on_event)
             except poisson.DesignError as err:
                 refused = err
+        self.engine.restore_biases()
         gen, clock = turn.generation, turn.clock
         assert gen is not None and turn.answer_id is not None, "answer or force_answer the turn first"
         with clock("certificate"):
@@ -557,6 +558,11 @@ class ChatSession:
                     self.engine.reinsert(toks[p0 - first:p1 - first], p0, message.index, cancel=cancel,
                                          progress=lambda n, base=base: on_event(ev.Rereading(base + n, total)))
                     done += p1 - p0
+            # The named messages are back exactly; the answer reads the cache as it is. Under the −log π biases a
+            # sampled stand-in weighs up to 1/π cells (×50 at π = 0.02) and drowns the exact cells the re-read
+            # brought back: measured on recall30 (docs/results/NOTES.md), lifting them for this turn is what lets
+            # the answer use them. The biases come back with the turn-end eviction (or finish_turn).
+            self.engine.lift_biases()
             self.memory.set_readout(True)
             self.engine.feed(turn.tokens, segment=turn.user.index, cancel=cancel)
             on_event(ev.Rereading(total, total))

@@ -19,6 +19,7 @@ from agent.engine import Engine, EngineSettings
 from agent.replay import drive, script as scripts
 from agent.session import ChatSession
 from memory_store.store import Store
+from native import patched
 
 FIXTURE = Path(__file__).resolve().parents[1] / "agent" / "replay" / "fixtures" / "recall30" / "seed-02.jsonl"
 SKETCH: dict[str, object] = {}
@@ -101,6 +102,11 @@ def test_a_probe_answered_after_a_targeted_reread_matches_the_full_cache(qwen: E
     assert record.extra["reread_messages"] == result.reread_messages
     finished = [e for e in events if isinstance(e, ev.TurnFinished)][0]
     assert {store.get_message(i).index for i in result.reread_messages} == set(finished.memory.reread)
+    # the biases lifted for the targeted answer are back: every cell carries −log π again
+    pos, bias = patched.get_bias(qwen.ctx.memory, Engine.SEQ)
+    assert pos.tolist() == qwen.cache.positions
+    np.testing.assert_allclose(bias, -np.asarray(qwen.cache.logpi), atol=1e-6)
+    assert not qwen.biases_lifted
     # positions, mirror and log agree after the turn-end eviction: every live cell holds the log's token
     by_index = {m.index: m for m in store.messages(s.conversation_id) if m.tokens is not None}
     for pos, tok, seg in zip(qwen.cache.positions, qwen.cache.tokens, qwen.cache.segments):
