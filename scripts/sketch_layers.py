@@ -112,12 +112,12 @@ def aucs(turns: list[Turn], values: Iterable[float]) -> tuple[float | None, floa
 class Scorer:
     """AUCs of subsets on one set of turns, vectorised over the turns."""
 
-    def __init__(self, turns: list[Turn]) -> None:
+    def __init__(self, turns: list[Turn], n_layers: int) -> None:
         self.turns = turns
-        self.m = np.stack([t.layer_max for t in turns]) if turns else np.zeros((0, 0))
-        self.is_probe = np.array([t.kind == "probe" for t in turns])
-        self.is_filler = np.array([t.kind == "filler" for t in turns])
-        self.is_late = np.array([t.late for t in turns])
+        self.m = np.stack([t.layer_max for t in turns]) if turns else np.zeros((0, n_layers))
+        self.is_probe = np.array([t.kind == "probe" for t in turns], dtype=bool)
+        self.is_filler = np.array([t.kind == "filler" for t in turns], dtype=bool)
+        self.is_late = np.array([t.late for t in turns], dtype=bool)
 
     def values(self, idx: Sequence[int]) -> np.ndarray:
         return self.m[:, list(idx)].max(axis=1)
@@ -166,8 +166,8 @@ def main() -> int:
 
     layers, turns = load_turns(args.results, args.policy, args.budget)
     cal_names, check_names = set(args.calibrate.split(",")), set(args.check.split(","))
-    cal = Scorer([t for t in turns if t.script in cal_names])
-    held = Scorer([t for t in turns if t.script in check_names])
+    cal = Scorer([t for t in turns if t.script in cal_names], len(layers))
+    held = Scorer([t for t in turns if t.script in check_names], len(layers))
     pos = {x: i for i, x in enumerate(layers)}
     fit = {bits: max((n for n in range(1, len(layers) + 1)
                       if sketch.bytes_per_token(n, args.n_kv_head, args.head_dim, bits) <= args.max_bytes), default=0)
