@@ -162,6 +162,7 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--exhaustive", type=int, default=5, help="try every subset up to this many layers")
     ap.add_argument("--top", type=int, default=12, help="subsets to print")
+    ap.add_argument("--subsets", default="", help="more subsets to print, e.g. \"11;3,11;3,9,11\"")
     args = ap.parse_args()
 
     layers, turns = load_turns(args.results, args.policy, args.budget)
@@ -195,7 +196,10 @@ def main() -> int:
         aucs(held.turns, [t.recorded or 0.0 for t in held.turns]))
     everything = list(range(len(layers)))
     row(f"all recorded ({_name(layers)})", everything, cal.auc_pair(everything), held.auc_pair(everything))
-    for label, ref in REFERENCE_SETS.items():
+    named = dict(REFERENCE_SETS)
+    for text in filter(None, args.subsets.split(";")):
+        named[text] = tuple(int(x) for x in text.split(","))
+    for label, ref in named.items():
         if all(x in pos for x in ref):
             idx = [pos[x] for x in ref]
             row(label, idx, cal.auc_pair(idx), held.auc_pair(idx))
