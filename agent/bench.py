@@ -10,7 +10,9 @@
 - a gated turn against a steady-state turn, for each re-read mode: the default gate on a question about an
   evicted fact (a targeted re-read of the messages it points at), a forced re-prefill of the whole history,
   and the next gated turn, which restores the first re-read's copy (config ``reread_copy``) and prefills only
-  what came after it.
+  what came after it;
+- the evicted-key sketch in those turns (``--sketch-layers``): the gate's read of it (scoring + per-message
+  shares) and each round's quantisation, as a share of the steady turn, and its bytes per evicted token.
 
 Numbers depend on the machine: the report names the model, threads and sizes.
 """
@@ -31,7 +33,10 @@ import numpy as np
 from agent import models
 from agent.config import EVICT_AT, Config
 from agent.engine import Engine, EngineSettings
-from native import llama, poisson
+from native import llama, poisson, sketch
+
+SKETCH_LAYERS = "11,13,14,15,16,20,21,22,23"
+"""The sketch's layers when the config has none: the calibration runs' set for qwen (docs/results/NOTES.md)."""
 
 
 def _history_tokens(model: llama.Model, n: int) -> list[int]:
@@ -153,21 +158,23 @@ PROBE = "What was my gym locker code again?"
 
 
 def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evict_at: str,
-                   gated: bool = True) -> dict[str, Any]:
+                   gated: bool = True, sketch_layers: str = "", sketch_bits: int = 8) -> dict[str, Any]:
     """Real session turns at a ``history``-token conversation: where the time goes.
 
     The overhead the issue bounds is eviction + certificate + store writes (the phases the
     session times, ``TurnResult.timings``), as a share of the turn's wall time. Reported for
     the first eviction (4k → budget, the largest) and for steady-state turns (each evicts
     about what the previous turn added, as in a long chat). ``evict_at`` chooses when turns evict
-    (config ``evict_at``); ``gated`` adds one turn whose gate is forced to fire."""
+    (config ``evict_at``); ``gated`` adds one turn whose gate is forced to fire. With ``sketch_layers`` the
+    turns keep the evicted-key sketch: its read by the gate (inside "certificate") and its quantisation (inside
+    "evict") are timed on their own as well."""
     from agent import events as ev  # noqa: PLC0415
     from agent.replay import drive  # noqa: PLC0415
     from agent.session import ChatSession  # noqa: PLC0415
     from memory_store.store import Store  # noqa: PLC0415
 
     cfg = Config(model=model_name, n_ctx=history + 1024, policy="poisson", budget="10%", max_tokens=48,
-                 gate="off", threads=threads, evict_at=evict_at)
+                 gate="off", threads=threads, evict_at=evict_at, sketch_layers=sketch_layers, sketch_bits=sketch_bits)
     eng = Engine(EngineSettings(model_path=path, n_ctx=cfg.n_ctx, n_batch=512, threads=threads))
     overhead_phases = ("evict", "certificate", "store")
 
@@ -182,11 +189,33 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
         while eng.next_pos < history:
             drive.forced(session, filler, "I see.")
         session.reconfigure(policy="poisson")
+        # the gate's whole read of the sketch (scoring, per-message shares, baselines), timed around the call
+        read_ms = [0.0]
+        read_sketch = session.gate.read_sketch
+
+        def timed_read(*a: Any, **k: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                read_sketch(*a, **k)
+            finally:
+                read_ms[0] += (time.perf_counter() - t0) * 1000.0
+        session.gate.read_sketch = timed_read  # type: ignore[method-assign]
+        sketch_ms: list[dict[str, float]] = []
 
         def timed(text: str) -> tuple[ev.TurnResult, float]:
+            sk = eng.sketch
+            before = (read_ms[0], 0.0 if sk is None else sk.timing.score_ms, 0.0 if sk is None else sk.timing.append_ms,
+                      0 if sk is None else sk.timing.append_tokens)
             t = time.perf_counter()
             r = session.send(text)
-            return r, (time.perf_counter() - t) * 1000.0
+            wall = (time.perf_counter() - t) * 1000.0
+            sk = eng.sketch if eng.sketch is sk or sk is None else None  # a restore replaces it: not a steady turn
+            sketch_ms.append({"read": read_ms[0] - before[0],
+                              "score": 0.0 if sk is None else sk.timing.score_ms - before[1],
+                              "quantise": 0.0 if sk is None else sk.timing.append_ms - before[2],
+                              "quantised_tokens": 0 if sk is None else sk.timing.append_tokens - before[3],
+                              "evicted_tokens": 0 if sk is None else sk.n_tokens})
+            return r, wall
 
         first, first_wall = timed("Summarise what we talked about in one sentence.")
         steady = [timed(q) for q in ("And in three words?", "Which names came up most?",
@@ -203,6 +232,28 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
         else:
             targeted = gated_turn = gated_again = None
         session.close()
+    sketch_keys: dict[str, Any] = {}
+    if sketch_layers and eng.sketch is not None:
+        sk = eng.sketch
+        steady_sk = sketch_ms[1:5]
+        read = [x["read"] for x in steady_sk]
+        sketch_keys = {
+            "sketch_layers": ",".join(str(x) for x in sk.layers), "sketch_bits": sketch_bits,
+            "sketch_bytes_per_token": sk.bytes_per_token,
+            "sketch_full_row_bytes": 2 * eng.info.n_layer * sk.n_kv_head * sk.head_dim * 2,
+            "sketch_evicted_tokens": float(np.median([x["evicted_tokens"] for x in steady_sk])),
+            "sketch_read_ms": float(np.median(read)),
+            "sketch_score_ms": float(np.median([x["score"] for x in steady_sk])),
+            "sketch_quantise_ms": float(np.median([x["quantise"] for x in steady_sk])),
+            "sketch_round_tokens": float(np.median([x["quantised_tokens"] for x in steady_sk])),
+            "sketch_share": float(np.median([(x["read"] + x["quantise"]) / w
+                                             for x, (_, w) in zip(steady_sk, steady)])),
+            "first_turn_sketch_quantise_ms": sketch_ms[0]["quantise"],
+            "first_turn_sketch_tokens": sketch_ms[0]["quantised_tokens"],
+            "sketch_fits": {str(bits): _layers_that_fit(sk.n_kv_head, sk.head_dim, bits,
+                                                        2 * eng.info.n_layer * sk.n_kv_head * sk.head_dim * 2 // 16)
+                            for bits in (8, 4)},
+        }
     eng.close()
     walls = [w for _, w in steady]
     phases = {k: float(np.median([r.timings.get(k, 0.0) for r, _ in steady])) for k in
@@ -233,7 +284,16 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
         **{f"first_turn_{k}_ms": first.timings.get(k, 0.0) for k in overhead_phases},
         "steady_turn_ms": float(np.median(walls)),
         **gated_keys, **targeted_keys,
+        **sketch_keys,
     }
+
+
+def _layers_that_fit(n_kv_head: int, head_dim: int, bits: int, limit: int) -> int:
+    """The most sketch layers whose bytes per evicted token stay within ``limit``."""
+    n = 0
+    while sketch.bytes_per_token(n + 1, n_kv_head, head_dim, bits) <= limit:
+        n += 1
+    return n
 
 
 def _formatter(out: dict[str, Any]) -> Callable[..., str]:
@@ -305,6 +365,20 @@ def _turn_mode_lines(out: dict[str, Any]) -> list[str]:
         lines.append(f"  the next gated turn {f('gated_again_turn_ms', '{:.0f}')} ms: restored "
                      f"{out.get('gated_again_restored_tokens')} tokens from the first re-read's copy, prefilled "
                      f"{out.get('gated_again_reprefill_tokens')} in {f('gated_again_reprefill_ms', '{:.0f}')} ms")
+    if "sketch_share" in out:
+        n_layers = len(str(out["sketch_layers"]).split(","))
+        fits = out.get("sketch_fits", {})
+        limit = out["sketch_full_row_bytes"] // 16
+        lines += [
+            f"  sketch (layers {out['sketch_layers']}, int{out['sketch_bits']}, {f('sketch_evicted_tokens', '{:.0f}')} "
+            f"evicted tokens): gate's read {f('sketch_read_ms', '{:.1f}')} ms (scoring {f('sketch_score_ms', '{:.1f}')}) "
+            f"+ quantise {f('sketch_quantise_ms', '{:.1f}')} ms ({f('sketch_round_tokens', '{:.0f}')} tokens) "
+            f"= {f('sketch_share', '{:.2%}')} of the steady turn (target ≤ 5%); first eviction quantised "
+            f"{out.get('first_turn_sketch_tokens')} tokens in {f('first_turn_sketch_quantise_ms', '{:.1f}')} ms",
+            f"  sketch bytes per evicted token: {out['sketch_bytes_per_token']} for {n_layers} layers "
+            f"int{out['sketch_bits']} (target ≤ {limit} = 1/16 of a full K+V row of {out['sketch_full_row_bytes']} B; "
+            f"fits: up to {fits.get('8', '—')} layers int8, {fits.get('4', '—')} layers int4)",
+        ]
     return lines
 
 
@@ -324,7 +398,8 @@ def main(args: argparse.Namespace) -> int:
         by_mode: dict[str, Any] = {}
         for mode in sorted(EVICT_AT, key=lambda m: m != default):
             by_mode[mode] = _turn_overhead(models.resolve(args.model), args.model, args.threads, turn_history,
-                                           evict_at=mode, gated=mode == default)
+                                           evict_at=mode, gated=mode == default, sketch_layers=args.sketch_layers,
+                                           sketch_bits=args.sketch_bits)
         out.update(by_mode[default])
         out["turn_by_evict_at"] = by_mode
         for mode, res in by_mode.items():
@@ -347,4 +422,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON object")
     p.add_argument("--only", choices=("all", "decode", "turn"), default="all",
                    help="decode: the long-history decode and certificate figures; turn: the session-turn overheads")
+    p.add_argument("--sketch-layers", dest="sketch_layers", default=Config().sketch_layers or SKETCH_LAYERS,
+                   help="the session turns keep an evicted-key sketch of these layers and time it (\"\": none; "
+                        f"default: the config's, else {SKETCH_LAYERS})")
+    p.add_argument("--sketch-bits", dest="sketch_bits", type=int, default=Config().sketch_bits, choices=(4, 8, 32))
     p.set_defaults(func=main)

@@ -227,7 +227,8 @@ class Engine:
                 raise llama.LlamaError(f"could not evict positions [{p0}, {p1})")
         if keys is not None:
             if self.sketch is None:
-                self.sketch = EvictedKeySketch(layers, self.info.n_head_kv, keys.shape[2] // self.info.n_head_kv, bits)
+                self.sketch = EvictedKeySketch(layers, self.info.n_head_kv, keys.shape[2] // self.info.n_head_kv, bits,
+                                               threads=self.settings.threads)
             self.sketch.append(gone, np.asarray(self.cache.segments, dtype=np.int32)[~keep], keys)
         self.cache.keep(keep)
         if cum_logpi is not None:

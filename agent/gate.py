@@ -70,6 +70,11 @@ class TurnCertificates:
     the question's attention it draws beyond what earlier questions paid it (the implicated mass)."""
     shares: dict[int, np.ndarray] = field(default_factory=dict)
     """Per message index: its estimated share of the question's attention in each sketch layer."""
+    sketch_layers: list[int] = field(default_factory=list)
+    """The model layers the sketch scored (the order of every per-layer list in ``sketch_messages``)."""
+    sketch_messages: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Per message index with evicted cells: enough to recompute ``sketch.max`` offline for any subset of the
+    layers (``scripts/sketch_layers.py``): see :meth:`Gate.read_sketch`."""
 
     def statistics(self) -> dict[str, float]:
         question = self.question if self.question is not None and self.question.size else None
@@ -89,6 +94,8 @@ class TurnCertificates:
             detail["uncertified"] = 1
         if self.sketch:
             detail["sketch.top"] = [[m, round(a, 4)] for m, a in self.implicated]
+            detail["sketch.layers"] = list(self.sketch_layers)
+            detail["sketch.messages"] = self.sketch_messages
         return detail
 
 
@@ -125,6 +132,13 @@ def evicted_share(reading: patched.Importance, positions: np.ndarray, logpi: np.
 SHARE_FLOOR = 1e-4
 """The smallest baseline share an anomaly divides by, so a message earlier questions ignored does not read as
 infinitely anomalous on noise."""
+
+
+def _sig(x: Any) -> Any:
+    """Floats to 4 significant digits (a float or a list): the detail records per-message shares compactly."""
+    if np.ndim(x):
+        return [float(f"{v:.4g}") for v in np.asarray(x, dtype=np.float64)]
+    return float(f"{float(x):.4g}")
 
 
 @dataclass(frozen=True)
@@ -295,8 +309,10 @@ class Gate:
         question's attention on the message's live cells as a share of its attention on the cache (the importance
         readout), the evicted part the sketch's estimate of its evicted cells' weights on the same scale (the
         kept softmax sums to 1). A message's anomaly is the largest ratio, over the sketch layers, of this share
-        to its median over the earlier turns (at least two); ``sketch.max`` is the largest anomaly over the
-        messages more than half evicted — the ones the certificate of the kept sample cannot speak for."""
+        to its median over the earlier turns (at least two; the median floored at ``SHARE_FLOOR``); ``sketch.max``
+        is the largest anomaly over the messages more than half evicted — the ones the certificate of the kept
+        sample cannot speak for. The turn's detail records, per message with evicted cells, ``share`` and
+        ``base`` per layer, ``anomaly`` (None before two earlier turns), and its ``evicted`` and ``live`` cells."""
         sk = engine.sketch
         assert sk is not None
         score = sk.score(engine.read_queries())
@@ -319,15 +335,26 @@ class Gate:
         n_live = np.bincount(segs, minlength=n_msg)[:n_msg]
         anomalies: dict[int, float] = {}
         excess: dict[int, float] = {}
-        for m in np.flatnonzero(n_gone > n_live):
+        # every message with evicted cells is recorded (share, baseline, anomaly, cell counts), so a study can
+        # recompute sketch.max for another layer subset or another "mostly evicted" rule from the detail alone
+        record: dict[int, dict[str, Any]] = {}
+        for m in np.flatnonzero(n_gone):
             earlier = self._paid.get(int(m), [])
-            if len(earlier) >= 2:
-                base = np.median(np.stack(earlier), axis=0)
+            base = np.median(np.stack(earlier), axis=0) if len(earlier) >= 2 else None
+            anomaly = None
+            if base is not None:
                 ratio = share[:, m] / np.maximum(base, SHARE_FLOOR)
                 top = int(np.argmax(ratio))
-                anomalies[int(m)] = float(ratio[top])
-                excess[int(m)] = float(max(share[top, m] - base[top], 0.0))
+                anomaly = float(ratio[top])
+                if n_gone[m] > n_live[m]:
+                    anomalies[int(m)] = anomaly
+                    excess[int(m)] = float(max(share[top, m] - base[top], 0.0))
+            record[int(m)] = {"share": _sig(share[:, m]), "base": None if base is None else _sig(base),
+                              "anomaly": None if anomaly is None else _sig(anomaly),
+                              "evicted": int(n_gone[m]), "live": int(n_live[m])}
         turn = self.turn
+        turn.sketch_layers = [int(x) for x in layers]
+        turn.sketch_messages = record
         turn.shares = {int(m): share[:, m].copy() for m in np.flatnonzero(n_gone + n_live)}
         turn.anomalies = anomalies
         turn.excess = excess

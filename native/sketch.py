@@ -14,13 +14,15 @@ history's, so e is then directly i's estimated share of the full attention; ``re
 divides by 1 + sum_i e instead, for a kept part that does not stand for the evicted one).
 docs/POISSON.md ("Phase 1") has the maths, the storage sizes and the error bounds.
 
-The quantisation and scoring run in ``libcertchat_core.so`` (C++); :func:`reference_score` and
-:func:`reference_quantize` are the numpy references the tests hold it to.
+The quantisation and scoring run in ``libcertchat_core.so`` (C++, one call per eviction round and one per
+question for all layers, split over ``threads``); :func:`reference_score`, :func:`reference_quantize` and
+:func:`channel_scales` are the numpy references the tests hold it to.
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Sequence
@@ -43,6 +45,10 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "certchat_sketch_dequantize": (ctypes.c_int, [_I64, _I64, _I64, _I32, _P, _P, _P, _P]),
     "certchat_sketch_score": (ctypes.c_int, [_I64, _I64, _I64, _I32, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_float,
                                              _I32, _P]),
+    "certchat_sketch_channel_scales": (ctypes.c_int, [_I64, _I64, _I64, _P, _P]),
+    "certchat_sketch_quantize_layers": (ctypes.c_int, [_I64, _I64, _I64, _I64, _I32, _P, _P, _P, _P, _I64, _I32]),
+    "certchat_sketch_score_layers": (ctypes.c_int, [_I64, _I64, _I64, _I64, _I32, _P, _P, _P, _I64, _I64, _I64, _P, _P,
+                                                    _P, _I32, _I32, _P]),
 }
 
 
@@ -86,12 +92,24 @@ def _channel(channel_scale: ArrayLike | None, width: int) -> NDArray[np.float32]
 
 
 def channel_scales(keys: ArrayLike) -> NDArray[np.float32]:
-    """Per-channel max |k| over rows [n, width] (absent rows ignored; 1 where a channel is all zero or unseen)."""
+    """Per-channel max |k| over rows [n, width] (absent rows ignored; 1 where a channel is all zero or unseen).
+
+    The numpy reference of :func:`channel_scales_layers`, which the store uses."""
     k = np.asarray(keys, dtype=np.float32)
     with np.errstate(all="ignore"):
         c = np.nanmax(np.abs(k), axis=0) if len(k) and not np.isnan(k).all() else np.ones(k.shape[1], np.float32)
     c = np.where(np.isfinite(c) & (c > 0), c, 1.0)
     return np.ascontiguousarray(c, dtype=np.float32)
+
+
+def channel_scales_layers(keys: NDArray[np.float32]) -> NDArray[np.float32]:
+    """:func:`channel_scales` of each layer of keys [n_layers, n, width] at once (C++) -> [n_layers, width]."""
+    k = np.ascontiguousarray(keys, dtype=np.float32)
+    if k.ndim != 3:
+        raise SketchError(f"keys must be [n_layers, n, width], got {k.shape}")
+    out = np.empty((k.shape[0], k.shape[2]), dtype=np.float32)
+    _check(_lib().certchat_sketch_channel_scales(k.shape[0], k.shape[1], k.shape[2], k.ctypes.data, out.ctypes.data))
+    return out
 
 
 def quantize(keys: ArrayLike, n_kv_head: int, bits: int,
@@ -126,20 +144,52 @@ def dequantize(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n_kv_head: 
 
 def score_layer(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n_kv_head: int, head_dim: int, bits: int,
                 q: ArrayLike, lse: ArrayLike, kq_scale: float, renormalise: bool = False,
-                channel_scale: ArrayLike | None = None) -> NDArray[np.float32]:
+                channel_scale: ArrayLike | None = None, threads: int = 1) -> NDArray[np.float32]:
     """One layer: q [n_rows, n_head, head_dim], lse [n_rows, n_head] -> [n_head, n] mean over rows of e(r, h, i)."""
     ch = _channel(channel_scale, n_kv_head * head_dim)
-    c = np.ascontiguousarray(codes, dtype=np.uint8)
-    s = np.ascontiguousarray(scales, dtype=np.uint16)
-    qq = np.ascontiguousarray(q, dtype=np.float32)
-    ll = np.ascontiguousarray(lse, dtype=np.float32)
+    qq = np.asarray(q, dtype=np.float32)
+    ll = np.asarray(lse, dtype=np.float32)
     if qq.ndim != 3 or qq.shape[2] != head_dim or ll.shape != qq.shape[:2]:
         raise SketchError(f"q must be [n_rows, n_head, {head_dim}] and lse [n_rows, n_head], got {qq.shape}, {ll.shape}")
-    out = np.empty((qq.shape[1], c.shape[0]), dtype=np.float32)
-    _check(_lib().certchat_sketch_score(c.shape[0], n_kv_head, head_dim, bits, None if ch is None else ch.ctypes.data,
-                                        c.ctypes.data, s.ctypes.data,
-                                        qq.shape[0], qq.shape[1], qq.ctypes.data, ll.ctypes.data, float(kq_scale),
-                                        int(bool(renormalise)), out.ctypes.data))
+    c = np.ascontiguousarray(codes, dtype=np.uint8)
+    return score_layers(c[None], np.ascontiguousarray(scales, dtype=np.uint16)[None], c.shape[0], n_kv_head, head_dim, bits,
+                        qq[None], ll[None], np.asarray([kq_scale], np.float32), renormalise,
+                        None if ch is None else ch[None], threads)[0]
+
+
+def score_layers(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n: int, n_kv_head: int, head_dim: int,
+                 bits: int, q: ArrayLike, lse: ArrayLike, kq_scale: ArrayLike, renormalise: bool = False,
+                 channel_scale: ArrayLike | None = None, threads: int = 1) -> NDArray[np.float32]:
+    """Several layers in one call, split over ``threads`` (0: all the hardware's): the first ``n`` tokens of codes
+    [n_layers, ≥ n, code bytes] and scales [n_layers, ≥ n, n_kv_head] (each layer's rows contiguous, e.g. a store's
+    buffers), q [n_layers, n_rows, n_head, head_dim], lse [n_layers, n_rows, n_head], kq_scale [n_layers], channel
+    scales [n_layers, width] or None -> [n_layers, n_head, n], as :func:`score_layer` per layer."""
+    qq = np.ascontiguousarray(q, dtype=np.float32)
+    ll = np.ascontiguousarray(lse, dtype=np.float32)
+    kq = np.ascontiguousarray(kq_scale, dtype=np.float32).reshape(-1)
+    if qq.ndim != 4 or qq.shape[3] != head_dim or ll.shape != qq.shape[:3] or kq.shape != qq.shape[:1]:
+        raise SketchError(f"q must be [n_layers, n_rows, n_head, {head_dim}], lse [n_layers, n_rows, n_head] and "
+                          f"kq_scale [n_layers], got {qq.shape}, {ll.shape}, {kq.shape}")
+    n_layers = qq.shape[0]
+    width = n_kv_head * head_dim
+    cb = code_bytes(n_kv_head, head_dim, bits)
+    if (codes.dtype != np.uint8 or scales.dtype != np.uint16 or codes.ndim != 3 or scales.ndim != 3
+            or codes.shape[0] != n_layers or scales.shape[:2] != codes.shape[:2] or codes.shape[2] != cb
+            or scales.shape[2] != n_kv_head or codes.shape[1] < n or not codes.flags.c_contiguous
+            or not scales.flags.c_contiguous):
+        raise SketchError(f"codes and scales must be C-contiguous uint8 [{n_layers}, ≥{n}, {cb}] and uint16 "
+                          f"[{n_layers}, ≥{n}, {n_kv_head}], got {codes.dtype} {codes.shape}, {scales.dtype} {scales.shape}")
+    ch = None
+    if channel_scale is not None:
+        ch = np.ascontiguousarray(channel_scale, dtype=np.float32)
+        if ch.shape != (n_layers, width):
+            raise SketchError(f"channel_scale must have shape ({n_layers}, {width}), got {ch.shape}")
+    out = np.empty((n_layers, qq.shape[2], n), dtype=np.float32)
+    _check(_lib().certchat_sketch_score_layers(n_layers, n, n_kv_head, head_dim, bits,
+                                               None if ch is None else ch.ctypes.data, codes.ctypes.data,
+                                               scales.ctypes.data, codes.shape[1], qq.shape[1], qq.shape[2],
+                                               qq.ctypes.data, ll.ctypes.data, kq.ctypes.data, int(bool(renormalise)),
+                                               int(threads), out.ctypes.data))
     return out
 
 
@@ -217,11 +267,25 @@ class SketchScore:
     def per_message(self, heads: Sequence[int] | None = None) -> tuple[NDArray[np.int32], NDArray[np.float64]]:
         """(message ids ascending [m], mass [n_layers, m]): per_position summed over each message's evicted tokens."""
         ids, inverse = np.unique(self.messages, return_inverse=True)
-        mass = np.zeros((len(self.layers), len(ids)))
         pp = self.per_position(heads)
-        for li in range(len(self.layers)):
-            np.add.at(mass[li], inverse, pp[li])
+        m = len(ids)
+        # one bincount over (layer, message) pairs
+        flat = (inverse[None, :] + m * np.arange(len(self.layers))[:, None]).ravel()
+        mass = np.bincount(flat, weights=pp.ravel(), minlength=m * len(self.layers)).reshape(len(self.layers), m)
         return ids.astype(np.int32), mass
+
+
+@dataclass
+class SketchTiming:
+    """Where the sketch's time went since it was made (cumulative wall-clock milliseconds and counts)."""
+
+    append_ms: float = 0.0
+    """Quantisation and storing of eviction rounds (the keys' read from the cache is the engine's)."""
+    append_rounds: int = 0
+    append_tokens: int = 0
+    score_ms: float = 0.0
+    """Scoring the question's query rows against every stored token, all layers."""
+    score_calls: int = 0
 
 
 @dataclass
@@ -234,11 +298,17 @@ class EvictedKeySketch:
     bits: int = 4
     channel_norm: bool = True
     """Quantise k / c with c the per-channel max |k| of the first round (per layer; kept until ``clear``)."""
+    threads: int = 0
+    """Threads for quantisation and scoring (the engine passes its own count; 0: all the hardware's)."""
+    timing: SketchTiming = field(default_factory=SketchTiming, repr=False)
     _channel: NDArray[np.float32] | None = field(default=None, repr=False)
-    _codes: list[NDArray[np.uint8]] = field(default_factory=list, repr=False)
-    _scales: list[NDArray[np.uint16]] = field(default_factory=list, repr=False)
-    _positions: list[NDArray[np.int32]] = field(default_factory=list, repr=False)
-    _messages: list[NDArray[np.int32]] = field(default_factory=list, repr=False)
+    # Buffers with room to grow (doubling), so a round appends in place and scoring reads each layer's rows
+    # where they lie: codes [n_layers, capacity, code bytes], scales [n_layers, capacity, n_kv_head].
+    _codes: NDArray[np.uint8] | None = field(default=None, repr=False)
+    _scales: NDArray[np.uint16] | None = field(default=None, repr=False)
+    _positions: NDArray[np.int32] = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
+    _messages: NDArray[np.int32] = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
+    _n: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         self.layers = tuple(int(x) for x in self.layers)
@@ -252,17 +322,17 @@ class EvictedKeySketch:
 
     @property
     def n_tokens(self) -> int:
-        return int(sum(len(p) for p in self._positions))
+        return self._n
 
     @property
     def positions(self) -> NDArray[np.int32]:
         """[n] every stored position, in the order appended."""
-        return self._packed()[2].copy()
+        return self._positions[:self._n].copy()
 
     @property
     def messages(self) -> NDArray[np.int32]:
         """[n] the message index of each stored position."""
-        return self._packed()[3].copy()
+        return self._messages[:self._n].copy()
 
     @property
     def bytes_per_token(self) -> int:
@@ -277,14 +347,37 @@ class EvictedKeySketch:
         """[n_layers, width] the channel scales in use (None before the first append, or without channel_norm)."""
         return self._channel
 
+    @property
+    def overhead_bytes(self) -> int:
+        """Per-store bytes besides the tokens: the channel scales (F32, one per layer and channel)."""
+        return 0 if self._channel is None else int(self._channel.nbytes)
+
+    def _reserve(self, n: int) -> None:
+        capacity = 0 if self._codes is None else self._codes.shape[1]
+        if n <= capacity:
+            return
+        capacity = max(n, 2 * capacity, 256)
+        cb = code_bytes(self.n_kv_head, self.head_dim, self.bits)
+        codes = np.empty((len(self.layers), capacity, cb), np.uint8)
+        scales = np.empty((len(self.layers), capacity, self.n_kv_head), np.uint16)
+        positions = np.empty(capacity, np.int32)
+        messages = np.empty(capacity, np.int32)
+        if self._codes is not None and self._scales is not None:
+            codes[:, :self._n] = self._codes[:, :self._n]
+            scales[:, :self._n] = self._scales[:, :self._n]
+        positions[:self._n] = self._positions[:self._n]
+        messages[:self._n] = self._messages[:self._n]
+        self._codes, self._scales, self._positions, self._messages = codes, scales, positions, messages
+
     def append(self, positions: ArrayLike, messages: ArrayLike, keys: ArrayLike) -> None:
         """Add one eviction round: positions [n], message index per position [n], keys [n_layers, n, width].
 
         ``keys`` is ``native.patched.get_keys(ctx, sketch.layers, positions)``, read before ``seq_rm``.
         """
+        start = time.perf_counter()
         pos = np.ascontiguousarray(positions, dtype=np.int32).reshape(-1)
         msg = np.ascontiguousarray(messages, dtype=np.int32).reshape(-1)
-        k = np.asarray(keys, dtype=np.float32)
+        k = np.ascontiguousarray(keys, dtype=np.float32)
         width = self.n_kv_head * self.head_dim
         if msg.shape != pos.shape or k.shape != (len(self.layers), len(pos), width):
             raise SketchError(f"append: positions {pos.shape}, messages {msg.shape} and keys {k.shape} must be [n], [n] "
@@ -292,75 +385,75 @@ class EvictedKeySketch:
         if not len(pos):
             return
         if self._channel is None and self.channel_norm and self.bits < 32:
-            self._channel = np.stack([channel_scales(k[li]) for li in range(len(self.layers))])
-        codes = np.empty((len(self.layers), len(pos), code_bytes(self.n_kv_head, self.head_dim, self.bits)), np.uint8)
-        scales = np.empty((len(self.layers), len(pos), self.n_kv_head), np.uint16)
-        for li in range(len(self.layers)):
-            codes[li], scales[li] = quantize(k[li], self.n_kv_head, self.bits, self._channel_of(li))
-        self._codes.append(codes)
-        self._scales.append(scales)
-        self._positions.append(pos)
-        self._messages.append(msg)
+            self._channel = channel_scales_layers(k)
+        n0, m = self._n, len(pos)
+        self._reserve(n0 + m)
+        assert self._codes is not None and self._scales is not None
+        capacity = self._codes.shape[1]
+        ch = self._channel
+        # each layer's new rows go straight into the buffers at row n0 (layers capacity rows apart)
+        _check(_lib().certchat_sketch_quantize_layers(
+            len(self.layers), m, self.n_kv_head, self.head_dim, self.bits, None if ch is None else ch.ctypes.data,
+            k.ctypes.data, self._codes[:, n0:].ctypes.data, self._scales[:, n0:].ctypes.data, capacity,
+            int(self.threads)))
+        self._positions[n0:n0 + m] = pos
+        self._messages[n0:n0 + m] = msg
+        self._n = n0 + m
+        self.timing.append_ms += (time.perf_counter() - start) * 1000.0
+        self.timing.append_rounds += 1
+        self.timing.append_tokens += m
 
     def _channel_of(self, li: int) -> NDArray[np.float32] | None:
         return None if self._channel is None else self._channel[li]
 
-    @property
-    def overhead_bytes(self) -> int:
-        """Per-store bytes besides the tokens: the channel scales (F32, one per layer and channel)."""
-        return 0 if self._channel is None else int(self._channel.nbytes)
-
     def clear(self) -> None:
         """Forget everything (a full re-read put the history back in the cache; append again from there)."""
         self._channel = None
-        self._codes.clear()
-        self._scales.clear()
-        self._positions.clear()
-        self._messages.clear()
+        self._codes = self._scales = None
+        self._positions = np.empty(0, np.int32)
+        self._messages = np.empty(0, np.int32)
+        self._n = 0
 
     def drop(self, positions: ArrayLike) -> None:
         """Forget these positions (they are back in the cache, e.g. after a partial re-read)."""
-        gone = np.asarray(positions, dtype=np.int32)
-        for i, pos in enumerate(self._positions):
-            keep = ~np.isin(pos, gone)
-            if not keep.all():
-                self._positions[i] = pos[keep]
-                self._messages[i] = self._messages[i][keep]
-                self._codes[i] = self._codes[i][:, keep]
-                self._scales[i] = self._scales[i][:, keep]
-
-    def _packed(self) -> tuple[NDArray[np.uint8], NDArray[np.uint16], NDArray[np.int32], NDArray[np.int32]]:
-        if len(self._positions) > 1:
-            # one array per store, so scoring never concatenates twice
-            self._codes = [np.concatenate(self._codes, axis=1)]
-            self._scales = [np.concatenate(self._scales, axis=1)]
-            self._positions = [np.concatenate(self._positions)]
-            self._messages = [np.concatenate(self._messages)]
-        if not self._positions:
-            cb = code_bytes(self.n_kv_head, self.head_dim, self.bits)
-            return (np.empty((len(self.layers), 0, cb), np.uint8), np.empty((len(self.layers), 0, self.n_kv_head), np.uint16),
-                    np.empty(0, np.int32), np.empty(0, np.int32))
-        return self._codes[0], self._scales[0], self._positions[0], self._messages[0]
+        n = self._n
+        keep = ~np.isin(self._positions[:n], np.asarray(positions, dtype=np.int32))
+        if keep.all() or self._codes is None or self._scales is None:
+            return
+        m = int(keep.sum())
+        self._codes[:, :m] = self._codes[:, :n][:, keep]
+        self._scales[:, :m] = self._scales[:, :n][:, keep]
+        self._positions[:m] = self._positions[:n][keep]
+        self._messages[:m] = self._messages[:n][keep]
+        self._n = m
 
     def keys(self) -> NDArray[np.float32]:
         """The stored rows as scoring sees them, [n_layers, n, width] F32."""
-        codes, scales, _, _ = self._packed()
-        return np.stack([dequantize(codes[li], scales[li], self.n_kv_head, self.head_dim, self.bits, self._channel_of(li))
-                         for li in range(len(self.layers))]) if len(self.layers) else np.empty((0, 0, 0), np.float32)
+        n, width = self._n, self.n_kv_head * self.head_dim
+        if self._codes is None or self._scales is None:
+            return np.empty((len(self.layers), 0, width), np.float32)
+        return np.stack([dequantize(self._codes[li, :n], self._scales[li, :n], self.n_kv_head, self.head_dim, self.bits,
+                                    self._channel_of(li)) for li in range(len(self.layers))])
 
     def score(self, queries: Any, renormalise: bool = False) -> SketchScore:
         """Score against ``native.patched.get_attn_queries(ctx)`` (a ``Queries``: it must cover the sketch's layers)."""
-        codes, scales, pos, msg = self._packed()
+        start = time.perf_counter()
         have = {int(x): i for i, x in enumerate(np.asarray(queries.layers))}
         missing = [x for x in self.layers if x not in have]
         if missing:
             raise SketchError(f"score: the queries lack layers {missing}; call set_attn_queries with the sketch's layers "
                               f"{list(self.layers)}")
-        n_head = int(queries.q.shape[2])
-        out = np.zeros((len(self.layers), n_head, len(pos)), dtype=np.float32)
-        for li, il in enumerate(self.layers):
-            qi = have[il]
-            out[li] = score_layer(codes[li], scales[li], self.n_kv_head, self.head_dim, self.bits, queries.q[qi],
-                                  queries.lse[qi], float(queries.kq_scale[qi]), renormalise, self._channel_of(li))
-        return SketchScore(layers=np.asarray(self.layers, dtype=np.int32), positions=pos.copy(), messages=msg.copy(),
-                           per_head=out)
+        n = self._n
+        idx = [have[x] for x in self.layers]
+        q = np.asarray(queries.q)
+        n_head = int(q.shape[2])
+        pos, msg = self._positions[:n].copy(), self._messages[:n].copy()
+        if self._codes is None or self._scales is None or n == 0:
+            out = np.zeros((len(self.layers), n_head, n), dtype=np.float32)
+        else:
+            out = score_layers(self._codes, self._scales, n, self.n_kv_head, self.head_dim, self.bits, q[idx],
+                               np.asarray(queries.lse)[idx], np.asarray(queries.kq_scale)[idx], renormalise,
+                               self._channel, self.threads)
+        self.timing.score_ms += (time.perf_counter() - start) * 1000.0
+        self.timing.score_calls += 1
+        return SketchScore(layers=np.asarray(self.layers, dtype=np.int32), positions=pos, messages=msg, per_head=out)

@@ -11,6 +11,7 @@ import pytest
 
 from agent.config import EVICT_AT, Config, ConfigError
 from agent.engine import Engine, EngineSettings
+from agent.gate import SHARE_FLOOR
 from agent.replay import drive
 from agent.session import ChatSession
 from memory_store.store import Store
@@ -83,6 +84,14 @@ def test_every_turn_records_the_question_s_attention_on_evicted_messages(engine:
     assert [a for _, a in top] == sorted((a for _, a in top), reverse=True)
     # the turn record keeps the numbers (the studies re-run offline from them)
     assert s.store.turns(s.conversation_id)[-1].cert_stats["sketch.max"] == pytest.approx(last["sketch.max"])
+    # per message with evicted cells, its share and baseline per layer: sketch.max comes back from them alone
+    # (scripts/sketch_layers.py does this for layer subsets)
+    assert last["sketch.layers"] == [10, 20]
+    records = last["sketch.messages"]
+    assert records and all(r["evicted"] > 0 and len(r["share"]) == 2 for r in records.values())
+    anomalies = [max(sh / max(b, SHARE_FLOOR) for sh, b in zip(r["share"], r["base"]))
+                 for r in records.values() if r["base"] is not None and r["evicted"] > r["live"]]
+    assert max(anomalies, default=0.0) == pytest.approx(last["sketch.max"], rel=2e-3)
 
 
 def test_the_sketch_needs_a_sampled_design_and_valid_layers(engine: Engine, tmp_path: Path) -> None:

@@ -152,3 +152,87 @@ def test_bad_input_is_refused_with_a_clear_message() -> None:
     with pytest.raises(sketch.SketchError, match="n_head"):
         sketch.score_layer(*sketch.quantize(np.zeros((2, 128), np.float32), 2, 8), 2, 64, 8,
                            np.zeros((1, 3, 64), np.float32), np.zeros((1, 3), np.float32), 1.0)
+
+
+@pytest.mark.parametrize("bits", [32, 8, 4])
+@pytest.mark.parametrize("renormalise", [False, True])
+def test_threads_and_layers_in_one_call_do_not_change_the_scores(bits: int, renormalise: bool) -> None:
+    # 1,100 tokens: two full chunks of work and a ragged one, tiles with a remainder
+    rng = np.random.default_rng(7)
+    n_layers, n, n_kv, d, n_head, rows = 3, 1100, 2, 64, 14, 5
+    keys = np.stack([_keys(rng, n, n_kv, d) for _ in range(n_layers)])
+    keys[1, 17] = np.nan
+    ch = np.stack([sketch.channel_scales(keys[li]) for li in range(n_layers)])
+    coded = [sketch.quantize(keys[li], n_kv, bits, ch[li]) for li in range(n_layers)]
+    codes = np.stack([c for c, _ in coded])
+    scales = np.stack([s for _, s in coded])
+    q = rng.standard_normal((n_layers, rows, n_head, d)).astype(np.float32)
+    lse = rng.uniform(3.0, 9.0, size=(n_layers, rows, n_head)).astype(np.float32)
+    lse[2, 1, 3] = np.nan
+    kq = np.array([0.125, 0.1, 0.2], np.float32)
+    one = sketch.score_layers(codes, scales, n, n_kv, d, bits, q, lse, kq, renormalise, ch, threads=1)
+    for threads in (2, 3, 0):
+        got = sketch.score_layers(codes, scales, n, n_kv, d, bits, q, lse, kq, renormalise, ch, threads=threads)
+        np.testing.assert_array_equal(got, one)
+    for li in range(n_layers):
+        alone = sketch.score_layer(codes[li], scales[li], n_kv, d, bits, q[li], lse[li], float(kq[li]), renormalise,
+                                   ch[li])
+        np.testing.assert_array_equal(alone, one[li])
+        rows_of = sketch.dequantize(codes[li], scales[li], n_kv, d, bits, ch[li])
+        want = sketch.reference_score(rows_of, q[li], lse[li], float(kq[li]), renormalise)
+        np.testing.assert_allclose(one[li], want, rtol=5e-5, atol=1e-30)
+    assert (one[1, :, 17] == 0).all()
+
+
+def test_channel_scales_in_cpp_are_numpy_s() -> None:
+    rng = np.random.default_rng(8)
+    k = rng.standard_normal((2, 40, 128)).astype(np.float32)
+    k[0, 3] = np.nan          # an absent row is ignored
+    k[1, :, 5] = 0.0          # a channel never seen: 1
+    k[1, 7, 9] = np.inf       # not finite: 1
+    got = sketch.channel_scales_layers(k)
+    np.testing.assert_array_equal(got, np.stack([sketch.channel_scales(k[0]), sketch.channel_scales(k[1])]))
+    assert got[1, 5] == 1.0 and got[1, 9] == 1.0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_store_grows_in_place_and_keeps_every_round(threads: int) -> None:
+    # rounds of uneven sizes past the first capacity, drops between them, and a snapshot copy that stays put
+    import copy
+
+    rng = np.random.default_rng(9)
+    sk = sketch.EvictedKeySketch(layers=(3, 7), n_kv_head=2, head_dim=64, bits=4, threads=threads)
+    all_keys, all_pos, all_msg = [], [], []
+    start = 0
+    for r, size in enumerate([5, 300, 1, 700, 40]):
+        pos = np.arange(start, start + size)
+        start += size + 3
+        k = rng.standard_normal((2, size, 128)).astype(np.float32)
+        sk.append(pos, np.full(size, r), k)
+        all_keys.append(k)
+        all_pos.append(pos)
+        all_msg.append(np.full(size, r))
+        if r == 1:
+            snap = copy.deepcopy(sk)
+    keys = np.concatenate(all_keys, axis=1)
+    pos = np.concatenate(all_pos)
+    assert sk.n_tokens == len(pos) and sk.timing.append_rounds == 5 and sk.timing.append_tokens == len(pos)
+    np.testing.assert_array_equal(sk.positions, pos)
+    np.testing.assert_array_equal(sk.messages, np.concatenate(all_msg))
+    for li in range(2):
+        np.testing.assert_array_equal(sk.keys()[li], sketch.reference_quantize(keys[li], 2, 4, sk.channel_scale[li]))
+    assert snap.n_tokens == 305 and snap.keys().shape == (2, 305, 128)
+    np.testing.assert_array_equal(snap.keys(), sk.keys()[:, :305])
+    gone = pos[::3]
+    sk.drop(gone)
+    keep = ~np.isin(pos, gone)
+    np.testing.assert_array_equal(sk.positions, pos[keep])
+    for li in range(2):
+        np.testing.assert_array_equal(sk.keys()[li],
+                                      sketch.reference_quantize(keys[li][keep], 2, 4, sk.channel_scale[li]))
+    q = SimpleNamespace(layers=np.array([3, 7]), q=rng.standard_normal((2, 2, 14, 64)).astype(np.float32),
+                        lse=np.full((2, 2, 14), 5.0, np.float32), kq_scale=np.full(2, 0.125, np.float32))
+    sc = sk.score(q)
+    np.testing.assert_allclose(sc.per_head[1], sketch.reference_score(sk.keys()[1], q.q[1], q.lse[1], 0.125),
+                               rtol=5e-5)
+    assert sk.timing.score_calls == 1
