@@ -77,7 +77,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         print(f"certchat ask: {err}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(result.as_json()))
+        # the status beside the turn: below config evict_from the chat runs the full cache (ev.MemoryView)
+        print(json.dumps({**result.as_json(), "full_cache_until": session.memory.full_until}))
     else:
         print()
     return 0
@@ -117,7 +118,9 @@ def _cmd_repl(args: argparse.Namespace) -> int:
             print("[stopped; the partial answer is in the log, marked interrupted]", file=sys.stderr)
         elif tty:
             cert = f"{result.certificate:.3f}" if result.certificate is not None else "—"
-            print(f"  [{result.live_cells}/{result.allocated_cells} cells, cert {cert}, "
+            until = session.memory.full_until
+            full = f", {ev.full_cache_words(until)}" if until is not None else ""
+            print(f"  [{result.live_cells}/{result.allocated_cells} cells{full}, cert {cert}, "
                   f"{result.decode_tok_s:.1f} tok/s]", file=sys.stderr)
 
 
