@@ -85,8 +85,8 @@ class Config:
     certificate, no gate firing, no sketch. From this length on the policy applies (the status line says "full
     cache until …" before). Eviction only pays once attention over the whole history costs more per turn than an
     eviction round, the certificate and the gate add; the default is where the measured turn times cross on a
-    2-core CPU (docs/results/NOTES.md, "Where eviction starts to pay"). 0 evicts from the first turn; a value over
-    half of n_ctx counts as half, so eviction starts before a full cache would fill the context."""
+    2-core CPU (docs/results/NOTES.md, "Where eviction starts to pay"). 0 evicts from the first turn. Eviction starts
+    by the time the full cache could no longer take a turn (n_ctx less n_batch and max_tokens) whatever this says."""
     evict_at: str = DEFAULT_EVICT_AT
     """When the cache is brought back to its budget: "turn-end" (the default: after the answer, scored by the
     question's and the closing tokens' attention; the next message's prefill, in one batch, certifies the evicted

@@ -98,9 +98,10 @@ class CacheManager:
     # -- the full cache below evict_from ---------------------------------------------------------
     @property
     def evict_from(self) -> int:
-        """``evict_from``, but at most half the context: a full cache that fills the context would otherwise
-        lose its oldest messages to a truncated re-read instead of being evicted."""
-        return min(self.config.evict_from, self.engine.n_ctx // 2)
+        """``evict_from``, but no later than the length at which the full cache could no longer take a turn (the
+        context less a question's batch and an answer): a context filled by the full cache would lose its oldest
+        messages to a truncated re-read, evicted by no policy and certified by no gate."""
+        return min(self.config.evict_from, max(0, self.engine.n_ctx - self.readout_lead))
 
     @property
     def readout_lead(self) -> int:

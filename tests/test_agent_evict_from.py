@@ -5,6 +5,7 @@ Real model (SmolLM2-135M), real SQLite log; behaviour only, never timing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from agent.engine import Engine, EngineSettings
 from agent.replay import drive, runner
 from agent.session import ChatSession
 from memory_store.store import Store
+from tests.reliability_support import cli
 
 EVICT_FROM = 600
 FACT = "My locker code is 4172 and my sister's name is Ingrid, she lives in Tromsø by the harbour."
@@ -88,14 +90,17 @@ def test_evict_from_zero_evicts_from_the_first_turn(engine: Engine, tmp_path: Pa
     assert r.live_cells < engine.next_pos and s.memory_view().full_cache_until is None
 
 
-def test_evict_from_over_half_the_context_counts_as_half(engine: Engine, tmp_path: Path) -> None:
-    """A full cache that filled the context would lose old messages to a truncated re-read: eviction starts at
-    half the context at the latest."""
-    s = _session(engine, tmp_path, "half", evict_from=100_000, gate="off")
-    assert s.memory_view().full_cache_until == 1024
-    while engine.next_pos < 1100:
-        r = drive.forced(s, FACT, "Noted.")
-    assert r.live_cells < engine.next_pos
+def test_eviction_starts_before_the_full_cache_fills_the_context(engine: Engine, tmp_path: Path) -> None:
+    """A full cache that filled the context would lose old messages to a truncated re-read, evicted by no policy:
+    eviction starts once the cache could no longer take a turn (n_ctx less n_batch and max_tokens), whatever
+    evict_from says."""
+    s = _session(engine, tmp_path, "late", evict_from=100_000, gate="off")
+    assert s.memory_view().full_cache_until == 2048 - (256 + 8 + 16)
+    seen: list[ev.Event] = []
+    while engine.next_pos < 2048 - 256:
+        r = drive.forced(s, FACT, "Noted.", on_event=seen.append)
+    assert r.live_cells < engine.next_pos and s.memory_view().full_cache_until is None
+    assert not [e for e in seen if isinstance(e, ev.Notice)], "no truncated re-read"
 
 
 def test_a_reopened_long_conversation_evicts_by_its_next_turn(engine: Engine, tmp_path: Path) -> None:
@@ -141,3 +146,14 @@ def test_the_length_sweep_runs_each_arm_from_the_same_history(small_model: Path)
     text = bench.render({"model": "smollm2-135m", "threads": 1, "cpu_count": 2, "history_tokens": 384,
                          "length_sweep": rows})
     assert "evicted 10%" in text and "384" in text
+
+
+def test_ask_json_says_full_cache_until(small_model: Path) -> None:
+    fast = ["--model", "smollm2-135m", "--max-tokens", "4", "--threads", "1", "--n-ctx", "1024"]
+    r = cli("ask", *fast, "--policy", "poisson", "--json", "hello")
+    assert r.returncode == 0, r.stderr
+    # the default evict_from, or the length at which the full cache could no longer take a turn
+    assert json.loads(r.stdout.strip().splitlines()[-1])["full_cache_until"] == min(Config().evict_from,
+                                                                                   1024 - (512 + 4 + 16))
+    r = cli("ask", *fast, "--policy", "full", "--json", "hello")
+    assert json.loads(r.stdout.strip().splitlines()[-1])["full_cache_until"] is None
