@@ -20,7 +20,7 @@ POLICIES = policies.NAMES
 EVICT_AT = ("question", "turn-end")
 DEFAULT_EVICT_AT = "turn-end"
 # Measured crossover of full vs a 10% cache's turn time (docs/results/NOTES.md, "Where eviction starts to pay").
-DEFAULT_EVICT_FROM = 4096
+DEFAULT_EVICT_FROM = 2048
 # Tokens a message needs at least beside the answer's room (max_tokens + 16): a context smaller than that
 # would refuse every message as too long.
 MIN_MESSAGE_ROOM = 64
