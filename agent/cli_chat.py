@@ -21,6 +21,8 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=config_mod.POLICIES)
     p.add_argument("--budget", help="KV budget: tokens (1024) or share of the history (10%%)")
     p.add_argument("--gate", help="gate threshold τ, 'auto' or 'off'")
+    p.add_argument("--evict-from", type=int, dest="evict_from", metavar="TOKENS",
+                   help="history length below which the full cache is kept (0: evict from the first turn)")
     p.add_argument("--seed", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-tokens", type=int, dest="max_tokens")
@@ -32,7 +34,8 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> config_mod.Config:
     cfg = config_mod.load()
-    keys = ("model", "policy", "budget", "gate", "seed", "temperature", "max_tokens", "n_ctx", "gpu_layers", "threads")
+    keys = ("model", "policy", "budget", "gate", "evict_from", "seed", "temperature", "max_tokens", "n_ctx",
+            "gpu_layers", "threads")
     return cfg.replace(**{k: getattr(args, k, None) for k in keys})
 
 
