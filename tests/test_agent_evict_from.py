@@ -16,7 +16,7 @@ from agent.engine import Engine, EngineSettings
 from agent.replay import drive, runner
 from agent.session import ChatSession
 from memory_store.store import Store
-from tests.reliability_support import cli
+from tests.reliability_support import cli, one_line_error
 
 EVICT_FROM = 600
 FACT = "My locker code is 4172 and my sister's name is Ingrid, she lives in Tromsø by the harbour."
@@ -157,5 +157,10 @@ def test_ask_json_says_full_cache_until(small_model: Path) -> None:
     # the default evict_from, or the length at which the full cache could no longer take a turn
     assert json.loads(r.stdout.strip().splitlines()[-1])["full_cache_until"] == min(Config().evict_from,
                                                                                    1024 - (512 + 4 + 16))
+    r = cli("ask", *fast, "--policy", "poisson", "--evict-from", "0", "--json", "hello")
+    assert json.loads(r.stdout.strip().splitlines()[-1])["full_cache_until"] is None
     r = cli("ask", *fast, "--policy", "full", "--json", "hello")
     assert json.loads(r.stdout.strip().splitlines()[-1])["full_cache_until"] is None
+    r = cli("ask", *fast, "--evict-from", "-1", "hello")
+    assert r.returncode != 0
+    one_line_error(r.stderr, "evict_from: must be a token count")
