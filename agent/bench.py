@@ -13,6 +13,8 @@
   what came after it;
 - the evicted-key sketch in those turns (``--sketch-layers``): the gate's read of it (scoring + per-message
   shares) and each round's quantisation, as a share of the steady turn, and its bytes per evicted token.
+- turn time and time to first token by history length (1k … 16k), the full cache against a 10% cache
+  side by side: where eviction starts to pay on this machine (config ``evict_from``).
 
 Numbers depend on the machine: the report names the model, threads and sizes.
 """
@@ -25,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -294,6 +297,169 @@ def _layers_that_fit(n_kv_head: int, head_dim: int, bits: int, limit: int) -> in
     while sketch.bytes_per_token(n + 1, n_kv_head, head_dim, bits) <= limit:
         n += 1
     return n
+LENGTHS = (1024, 2048, 4096, 8192, 16384)
+QUICK_LENGTHS = (1024, 2048, 4096)
+TTFT_LENGTHS = (4096, 16384)
+"""The histories at which the user-facing time to first token is printed side by side."""
+LENGTH_TURNS = 3
+"""Steady turns timed per arm and length (after a first turn, which for an evicting arm is the big first
+eviction from the full history)."""
+NORMAL_ANSWER = 48
+"""Answer length the turn times are compared at: each turn's decode, stretched or cut to this many tokens at
+its own measured rate (greedy answers end where they end, and a shorter answer is not a faster chat)."""
+QUESTIONS = ("List, one per line, every person mentioned so far and what they did.",
+             "Summarise what we talked about, in detail, as a numbered list.",
+             "Which places and dates came up? Give each with a sentence of context.",
+             "What plans were made, and by whom? Answer in full sentences.",
+             "Describe the last three things that were said, one paragraph each.")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way to run the turns of the length sweep: config changes over the full-cache session that built the
+    history. Another arm (a gated turn under some re-read mode) is one more entry in :data:`ARMS`."""
+
+    name: str
+    changes: dict[str, Any]
+
+
+ARMS = (
+    Arm("full", {"policy": "full", "gate": "off"}),
+    # gate off: eviction rounds and the certificate are paid every turn, no re-read (a firing is its own arm)
+    Arm("evicted 10%", {"policy": "poisson", "budget": "10%", "gate": "off", "evict_from": 0}),
+)
+
+
+def _timed_turn(session: Any, text: str) -> dict[str, Any]:
+    """One real turn: wall and time to first token (from the call to the first streamed text), its phases."""
+    from agent import events as ev  # noqa: PLC0415
+
+    first: list[float] = []
+
+    def on_event(event: ev.Event) -> None:
+        if isinstance(event, ev.TextDelta) and not first:
+            first.append(time.perf_counter())
+
+    start = time.perf_counter()
+    r = session.send(text, on_event=on_event)
+    wall = (time.perf_counter() - start) * 1000.0
+    ttft = (first[0] - start) * 1000.0 if first else wall
+    per_token = r.decode_ms / r.answer_tokens if r.answer_tokens else 0.0
+    return {"wall_ms": wall, "ttft_ms": ttft, "answer_tokens": r.answer_tokens, "decode_ms": r.decode_ms,
+            "prefill_ms": r.prefill_ms,
+            "decode_ms_per_token": per_token, "live_cells": r.live_cells,
+            # the same turn with an answer of NORMAL_ANSWER tokens at its own decode rate
+            "turn_ms_normal": wall - r.decode_ms + NORMAL_ANSWER * per_token,
+            **{f"{k}_ms": v for k, v in r.timings.items()},
+            "ids": (r.user_message_id, r.assistant_message_id)}
+
+
+def length_sweep(path: Path, model_name: str, threads: int, lengths: tuple[int, ...],
+                 arms: tuple[Arm, ...] = ARMS, say: Callable[[str], None] = lambda text: None) -> list[dict[str, Any]]:
+    """For each history length: a real conversation forced to that length under the full cache, then, from that
+    same state (checkpoint and rollback), each arm's first turn and LENGTH_TURNS steady turns. One row per
+    (length, arm) with medians over the steady turns."""
+    from agent.replay import drive  # noqa: PLC0415
+    from agent.session import ChatSession  # noqa: PLC0415
+    from memory_store.store import Store  # noqa: PLC0415
+
+    rows: list[dict[str, Any]] = []
+    for history in lengths:
+        cfg = Config(model=model_name, n_ctx=history + 1024, max_tokens=NORMAL_ANSWER, threads=threads,
+                     policy="full", gate="off")
+        eng = Engine(EngineSettings.from_config(cfg, path))
+        with tempfile.TemporaryDirectory() as tmp:
+            store = Store(Path(tmp) / "bench.db")
+            session = ChatSession(cfg, store, eng, model_name)
+            text = _history_tokens(eng.model, history)
+            say(f"length sweep: building a {history}-token history")
+            while eng.next_pos < history - 64:
+                # chunks of ≤ 400 tokens, the last cut so the history ends within a few dozen tokens of the length
+                take = min(400, history - 32 - eng.next_pos)
+                drive.forced(session, eng.model.detokenize(text[:take]), "I see.")
+                text = text[take:]
+            built = session.checkpoint()
+            actual = eng.next_pos
+            for arm in arms:
+                say(f"length sweep: {history} tokens, {arm.name}")
+                session.reconfigure(**{**{"policy": "full", "gate": "off", "budget": "10%",
+                                          "evict_from": cfg.evict_from}, **arm.changes})
+                turns = [_timed_turn(session, q) for q in QUESTIONS[:LENGTH_TURNS + 1]]
+                rows.append({**_length_row(history, arm.name, turns), "history_actual": actual})
+                # the next arm starts from the same history: this arm's turns leave the cache and the log
+                rounds = session.memory.round
+                session.rollback(built)
+                session.memory.round = rounds  # eviction rounds are numbered once per conversation in the log
+                for t in turns:
+                    for mid in t["ids"]:
+                        store.update_message_meta(mid, {"discarded": True})
+            session.close()
+            store.close()
+        eng.close()
+    return rows
+
+
+def _length_row(history: int, arm: str, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    first, steady = turns[0], turns[1:]
+
+    def med(key: str) -> float:
+        return float(np.median([t.get(key, 0.0) for t in steady]))
+    return {"history": history, "arm": arm, "turns": len(steady),
+            **{k: med(k) for k in ("wall_ms", "ttft_ms", "turn_ms_normal", "decode_ms_per_token", "answer_tokens",
+                                   "prefill_ms", "evict_ms", "certificate_ms", "closing_ms", "store_ms")},
+            "live_cells": steady[-1]["live_cells"],
+            "first_turn_ms_normal": first["turn_ms_normal"], "first_turn_evict_ms": first.get("evict_ms", 0.0)}
+
+
+PAYS_MARGIN = 0.10
+"""Eviction pays at a length when its steady turn takes at most (1 − this) of the full cache's: one decode
+measurement varies by about ±5% on a quiet 2-core machine (``_record_decode``), so a ratio of two by about ±10%."""
+
+
+def crossover(rows: list[dict[str, Any]], base: str = "full", other: str = "evicted 10%",
+              margin: float = PAYS_MARGIN) -> int | None:
+    """The shortest measured history from which ``other``'s steady turn (at NORMAL_ANSWER tokens) beats
+    ``base``'s by at least ``margin`` at every longer measured history too; None if it never does."""
+    by = {(r["history"], r["arm"]): r["turn_ms_normal"] for r in rows}
+    lengths = sorted({r["history"] for r in rows})
+    wins = [h for h in lengths
+            if (h, base) in by and (h, other) in by and by[(h, other)] <= (1.0 - margin) * by[(h, base)]]
+    for i, h in enumerate(lengths):
+        if all(x in wins for x in lengths[i:]):
+            return h
+    return None
+
+
+def _length_lines(out: dict[str, Any]) -> list[str]:
+    rows = out.get("length_sweep") or []
+    if not rows:
+        return []
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    by = {(r["history"], r["arm"]): r for r in rows}
+    lengths = sorted({r["history"] for r in rows})
+    lines = ["", f"turn time by history length (steady turns, median of {LENGTH_TURNS}; turn compared at a "
+                 f"{NORMAL_ANSWER}-token answer: wall − decode + {NORMAL_ANSWER} × ms/token)",
+             "history │ " + " │ ".join(f"{a}: turn / TTFT / ms per token / evict+cert ms" for a in arms)
+             + " │ " + " │ ".join(f"{a} / {arms[0]}" for a in arms[1:])]
+    for h in lengths:
+        cells = []
+        for a in arms:
+            r = by.get((h, a))
+            cells.append("—" if r is None else f"{r['turn_ms_normal']:.0f} / {r['ttft_ms']:.0f} / "
+                         f"{r['decode_ms_per_token']:.1f} / {r['evict_ms'] + r['certificate_ms']:.0f}")
+        ratios = [f"×{by[(h, a)]['turn_ms_normal'] / by[(h, arms[0])]['turn_ms_normal']:.2f}"
+                  if (h, a) in by and (h, arms[0]) in by else "—" for a in arms[1:]]
+        lines.append(f"{h:>7} │ " + " │ ".join(cells) + " │ " + " │ ".join(ratios))
+    if len(arms) > 1:
+        at = crossover(rows, arms[0], arms[1])
+        lines.append(f"{arms[1]} faster than {arms[0]} by ≥ {PAYS_MARGIN:.0%} of a turn from: "
+                     + (f"{at} tokens of history on (config evict_from)" if at is not None
+                        else "never, at these lengths"))
+    ttft = [h for h in TTFT_LENGTHS if any(r["history"] == h for r in rows)]
+    for h in ttft:
+        lines.append(f"time to first token at {h // 1024}k: " + ", ".join(
+            f"{a} {by[(h, a)]['ttft_ms']:.0f} ms" for a in arms if (h, a) in by))
+    return lines
 
 
 def _formatter(out: dict[str, Any]) -> Callable[..., str]:
@@ -313,7 +479,7 @@ def render(out: dict[str, Any]) -> str:
         return f"  (median of {' / '.join(f'{r:.1f}' for r in rates)})" if len(rates) > 1 else ""
     head = [f"certchat bench — {out['model']}, {out['threads']} threads, {out['cpu_count']} CPUs visible"]
     if "decode_tok_s_full" not in out:
-        return "\n".join(head + [""] + _turn_lines(out))
+        return "\n".join(head + ([""] + _turn_lines(out) if "turn_wall_ms" in out else []) + _length_lines(out))
     lines = head + [
         f"history {h} tokens, budget {int(out['budget_share'] * 100)}% → {out['live_cells_after']} live cells",
         "",
@@ -328,7 +494,7 @@ def render(out: dict[str, Any]) -> str:
     ]
     if "turn_wall_ms" in out:
         lines += _turn_lines(out)
-    return "\n".join(lines)
+    return "\n".join(lines + _length_lines(out))
 
 
 def _turn_lines(out: dict[str, Any]) -> list[str]:
@@ -404,6 +570,16 @@ def main(args: argparse.Namespace) -> int:
         out["turn_by_evict_at"] = by_mode
         for mode, res in by_mode.items():
             out[f"turn_overhead_{mode.replace('-', '_')}"] = res["turn_overhead"]
+    if args.only in ("all", "length"):
+        lengths = QUICK_LENGTHS if args.quick else LENGTHS
+        say = lambda text: print(f"[bench] {text}", file=sys.stderr, flush=True)  # noqa: E731
+        rows = length_sweep(models.resolve(args.model), args.model, args.threads, lengths, say=say)
+        out["length_sweep"] = rows
+        keyed["evict_from_crossover"] = crossover(rows)
+        for r in rows:
+            if r["history"] in TTFT_LENGTHS:
+                arm = "full" if r["arm"] == "full" else "evicted"
+                keyed[f"ttft_ms_{arm}_{r['history'] // 1024}k"] = r["ttft_ms"]
     keyed = {**out, **keyed}
     print(render(out))
     if args.json:
@@ -418,7 +594,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=float, default=0.10, help="share of the history kept (0.10 = 10%%)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
-    p.add_argument("--quick", action="store_true", help="4k history, 1k-token turn: a couple of minutes")
+    p.add_argument("--quick", action="store_true",
+                   help="4k history, 1k-token turn, lengths to 4k: a few minutes")
     p.add_argument("--json", action="store_true", help="end with one JSON object")
     p.add_argument("--only", choices=("all", "decode", "turn"), default="all",
                    help="decode: the long-history decode and certificate figures; turn: the session-turn overheads")
@@ -426,4 +603,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the session turns keep an evicted-key sketch of these layers and time it (\"\": none; "
                         f"default: the config's, else {SKETCH_LAYERS})")
     p.add_argument("--sketch-bits", dest="sketch_bits", type=int, default=Config().sketch_bits, choices=(4, 8, 32))
+    p.add_argument("--only", choices=("all", "decode", "turn", "length"), default="all",
+                   help="decode: the long-history decode and certificate figures; turn: the session-turn overheads; "
+                        "length: turn time and time to first token by history length, full against a 10%% cache "
+                        "(1k–16k; --quick: to 4k)")
     p.set_defaults(func=main)

@@ -21,6 +21,8 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=config_mod.POLICIES)
     p.add_argument("--budget", help="KV budget: tokens (1024) or share of the history (10%%)")
     p.add_argument("--gate", help="gate threshold τ, 'auto' or 'off'")
+    p.add_argument("--evict-from", type=int, dest="evict_from", metavar="TOKENS",
+                   help="history length below which the full cache is kept (0: evict from the first turn)")
     p.add_argument("--seed", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-tokens", type=int, dest="max_tokens")
@@ -32,7 +34,8 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> config_mod.Config:
     cfg = config_mod.load()
-    keys = ("model", "policy", "budget", "gate", "seed", "temperature", "max_tokens", "n_ctx", "gpu_layers", "threads")
+    keys = ("model", "policy", "budget", "gate", "evict_from", "seed", "temperature", "max_tokens", "n_ctx",
+            "gpu_layers", "threads")
     return cfg.replace(**{k: getattr(args, k, None) for k in keys})
 
 
@@ -77,7 +80,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         print(f"certchat ask: {err}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(result.as_json()))
+        # the status beside the turn: below config evict_from the chat runs the full cache (ev.MemoryView)
+        print(json.dumps({**result.as_json(), "full_cache_until": session.memory.full_until}))
     else:
         print()
     return 0
@@ -117,7 +121,9 @@ def _cmd_repl(args: argparse.Namespace) -> int:
             print("[stopped; the partial answer is in the log, marked interrupted]", file=sys.stderr)
         elif tty:
             cert = f"{result.certificate:.3f}" if result.certificate is not None else "—"
-            print(f"  [{result.live_cells}/{result.allocated_cells} cells, cert {cert}, "
+            until = session.memory.full_until
+            full = f", {ev.full_cache_words(until)}" if until is not None else ""
+            print(f"  [{result.live_cells}/{result.allocated_cells} cells{full}, cert {cert}, "
                   f"{result.decode_tok_s:.1f} tok/s]", file=sys.stderr)
 
 

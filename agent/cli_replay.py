@@ -34,7 +34,8 @@ def _default_out(kind: str) -> Path:
 def _base_config(args: argparse.Namespace) -> config_mod.Config:
     cfg = config_mod.load()
     return cfg.replace(model=args.model, threads=args.threads, gpu_layers=getattr(args, "gpu_layers", None),
-                       evict_at=getattr(args, "evict_at", None), sketch_layers=getattr(args, "sketch_layers", None))
+                       evict_at=getattr(args, "evict_at", None), sketch_layers=getattr(args, "sketch_layers", None),
+                       evict_from=getattr(args, "evict_from", None))
 
 
 def _emit(doc: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
@@ -300,6 +301,9 @@ def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int) -> Non
     p.add_argument("--evict-at", choices=config_mod.EVICT_AT, dest="evict_at",
                    help="when evicting policies evict: after the question is prefilled, or at the end of the turn "
                         "(default: the config's evict_at)")
+    p.add_argument("--evict-from", type=int, dest="evict_from", metavar="TOKENS",
+                   help="history length below which evicting policies run the full cache (default: the config's "
+                        "evict_from; 0 evicts from the first turn; per policy: poisson+gate@evict_from=0)")
     p.add_argument("--generate-fillers", action="store_true", dest="generate_fillers",
                    help="also answer every scripted turn (then restore the script's reply), so the answer-phase "
                         "certificate and confidence exist on fillers; the studies need it")
@@ -347,7 +351,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--quick", action="store_true", help="two scenarios, one seed (a few minutes on 2 CPU cores)")
     d.add_argument("--regenerate-fixtures", action="store_true", dest="regenerate_fixtures",
                    help="regenerate the committed filler replies (full cache, greedy) and exit")
-    d.set_defaults(func=cli_errors.guard(_cmd_demo_recall30), command="demo")
+    # Its 1.2k-token chats are shorter than the shipped evict_from: the demo is about what eviction forgets.
+    d.set_defaults(func=cli_errors.guard(_cmd_demo_recall30), command="demo", evict_from=0)
 
     lg = demo_sub.add_parser("long", help="a long chat (16k tokens by default): recall and time per turn, "
                                           "full against evicted and gated")

@@ -19,6 +19,8 @@ from agent import paths, policies
 POLICIES = policies.NAMES
 EVICT_AT = ("question", "turn-end")
 DEFAULT_EVICT_AT = "turn-end"
+# Measured crossover of full vs a 10% cache's turn time (docs/results/NOTES.md, "Where eviction starts to pay").
+DEFAULT_EVICT_FROM = 2048
 # Tokens a message needs at least beside the answer's room (max_tokens + 16): a context smaller than that
 # would refuse every message as too long.
 MIN_MESSAGE_ROOM = 64
@@ -78,6 +80,13 @@ class Config:
     """Share of the budget kept deterministically by score (the top slice) before the Poisson tail."""
     floor: float = 0.05
     """Score floor, as a share of the mean unprotected score, so every unprotected π stays > 0."""
+    evict_from: int = DEFAULT_EVICT_FROM
+    """History length, in tokens, below which the chat runs the full cache: no eviction, no attention readout, no
+    certificate, no gate firing, no sketch. From this length on the policy applies (the status line says "full
+    cache until …" before). Eviction only pays once attention over the whole history costs more per turn than an
+    eviction round, the certificate and the gate add; the default is where the measured turn times cross on a
+    2-core CPU (docs/results/NOTES.md, "Where eviction starts to pay"). 0 evicts from the first turn. Eviction starts
+    by the time the full cache could no longer take a turn (n_ctx less n_batch and max_tokens) whatever this says."""
     evict_at: str = DEFAULT_EVICT_AT
     """When the cache is brought back to its budget: "turn-end" (the default: after the answer, scored by the
     question's and the closing tokens' attention; the next message's prefill, in one batch, certifies the evicted
@@ -175,6 +184,9 @@ class Config:
                               f"got {self.top_share}")
         if self.floor < 0:
             raise ConfigError(f"floor: must be 0 or more, got {self.floor}")
+        if isinstance(self.evict_from, bool) or not isinstance(self.evict_from, int) or self.evict_from < 0:
+            raise ConfigError(f"evict_from: must be a token count, 0 or more (0 evicts from the first turn), "
+                              f"got {self.evict_from!r}")
         if self.evict_at not in EVICT_AT:
             raise ConfigError(f"evict_at: must be one of {', '.join(EVICT_AT)}, got {self.evict_at!r}")
         if not 1 <= self.question_window <= 64 or not 1 <= self.cert_window <= 64:

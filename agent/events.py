@@ -72,6 +72,19 @@ def gate_words(event: "GateFired") -> str:
     return reread_words(event.reprefill_tokens, event.restored_tokens)
 
 
+def tokens_words(n: int) -> str:
+    """A token count as people say it: 4096 → "4k", 1500 → "1.5k", 900 → "900"."""
+    if n < 1000:
+        return str(n)
+    k = n / 1024 if n % 1024 == 0 else n / 1000
+    return f"{k:.0f}k" if abs(k - round(k)) < 0.05 else f"{k:.1f}k"
+
+
+def full_cache_words(until: int) -> str:
+    """The status while the history is below config ``evict_from``: nothing is evicted yet."""
+    return f"full cache until {tokens_words(until)} tokens"
+
+
 @dataclass(frozen=True)
 class GateFired:
     """The gate fired: the history is re-read from the log ("re-read N tokens of history"); sent before the
@@ -147,6 +160,9 @@ class MemoryView:
     tok_per_s: float | None = None
     reread: tuple[int, ...] = ()
     """Indices of the messages the last turn's targeted re-read brought back (the panel marks their turns)."""
+    full_cache_until: int | None = None
+    """While the history is below config ``evict_from`` an evicting policy runs the full cache: that length, in
+    tokens (None once eviction applies, or under a policy that never evicts)."""
 
 
 @dataclass(frozen=True)
@@ -196,3 +212,4 @@ class TurnFinished:
 
 Event = Union[TurnStarted, Prefilled, Evicted, CertificateRead, GateFired, Rereading, Regenerating, TextDelta,
               Notice, TurnFinished]
+

@@ -14,6 +14,11 @@ will actually answer. With ``evict_at = "turn-end"`` the session evicts after th
 by the question's attention and the answer's closing tokens' attention, protecting only the
 sinks and the recent window) and the next message's prefill runs on the evicted cache, so its
 own window certifies it.
+
+Below ``evict_from`` tokens of history the manager runs the full cache: no budget, no eviction, and the
+readout off (so no importance, certificate or sketch query rows, and a gate has nothing to fire on). The
+readout comes back a turn's worth of tokens before the threshold (:attr:`readout_lead`), so the round
+that first evicts is scored by the attention of the question and answer that crossed it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class CacheManager:
         self.config = config
         self.policy: policies.Policy = policies.from_config(config)
         self.round = 0
+        self._longest = 0
+        """The longest history this conversation's cache has held (a re-read starts the cache from position 0,
+        but the history it reads is no shorter: eviction, once begun, goes on)."""
         self._importance: list[patched.Importance] = []
         """Attention readings since the last eviction (the question's window; at turn end also the closing's)."""
         self.reconfigure(config)
@@ -71,7 +79,7 @@ class CacheManager:
             layers = calibration.sketch_layers(self.engine.info.n_layer, config.evict_at)
         self.engine.set_sketch(layers if sketched else (), config.sketch_bits, config.cert_window)
         if self.policy.reads_attention:
-            self.engine.set_readout(True, self.readout_rows)
+            self.set_readout(True)
         elif self.engine.readout[1]:
             self.engine.set_readout(False, self.engine.readout[1])
 
@@ -84,13 +92,51 @@ class CacheManager:
         return self.policy.reads_attention
 
     def set_readout(self, on: bool) -> None:
-        """Resume or pause the readout of a policy that uses it (a plain answer step needs none)."""
+        """Resume or pause the readout of a policy that uses it (a plain answer step needs none); below
+        ``evict_from`` (less the lead) it stays off."""
         if self.reads_attention:
-            self.engine.set_readout(on, self.readout_rows)
+            self.engine.set_readout(on and self.readout_due(), self.readout_rows)
+
+    # -- the full cache below evict_from ---------------------------------------------------------
+    @property
+    def evict_from(self) -> int:
+        """``evict_from``, but no later than the length at which the full cache could no longer take a turn (the
+        context less a question's batch and an answer): a context filled by the full cache would lose its oldest
+        messages to a truncated re-read, evicted by no policy and certified by no gate."""
+        return min(self.config.evict_from, max(0, self.engine.n_ctx - self.readout_lead))
+
+    @property
+    def readout_lead(self) -> int:
+        """Tokens before ``evict_from`` at which the readout comes on: a question's batch and an answer, so the
+        turn that crosses the threshold is read while it is prefilled."""
+        return self.config.n_batch + self.config.max_tokens + 16
+
+    @property
+    def history(self) -> int:
+        """The conversation's history length in tokens, as the cache has seen it."""
+        self._longest = max(self._longest, self.engine.next_pos)
+        return self._longest
+
+    def evicting(self, history: int | None = None) -> bool:
+        """Whether the policy applies at ``history`` tokens (default: now): it evicts and the history has
+        reached ``evict_from``."""
+        length = self.history if history is None else max(history, self.history)
+        return self.policy.evicts and length >= self.evict_from
+
+    def readout_due(self) -> bool:
+        """The readout serves eviction and the gate: on from a turn's worth of tokens before ``evict_from``."""
+        return self.policy.evicts and self.history + self.readout_lead >= self.evict_from
+
+    @property
+    def full_until(self) -> int | None:
+        """``evict_from`` while an evicting policy still runs the full cache below it (for the status line);
+        None once eviction applies, or for a policy that never evicts."""
+        return self.evict_from if self.policy.evicts and not self.evicting() else None
 
     def reset(self, round: int = 0) -> None:
         """A new or reopened conversation; ``round``: the next eviction round the log expects."""
         self.round = round
+        self._longest = 0
         self.reset_cache_state()
 
     def reset_cache_state(self) -> None:
@@ -99,15 +145,16 @@ class CacheManager:
         self.set_readout(True)
 
     def snapshot(self) -> Any:
-        return (self.round, list(self._importance))
+        return (self.round, list(self._importance), self.history)
 
     def restore(self, snap: Any) -> None:
-        self.round, self._importance = snap[0], list(snap[1])
+        self.round, self._importance, self._longest = snap[0], list(snap[1]), snap[2]
 
     # -- budget ----------------------------------------------------------------------------
     def budget_cells(self, history: int | None = None) -> int | None:
-        """Cells the budget allows for a history of ``history`` positions (default: the current one)."""
-        if not self.policy.evicts:
+        """Cells the budget allows for a history of ``history`` positions (default: the current one); None for
+        the full cache (a policy that never evicts, or a history below ``evict_from``)."""
+        if not self.evicting(history):
             return None
         kind, value = parse_budget(self.config.budget)
         length = self.engine.next_pos if history is None else history
@@ -119,7 +166,7 @@ class CacheManager:
         window, when prefilling the rest will take the cache past its budget (else 0, one prefill). The
         rest's last rows score the eviction; the held-back rows, prefilled on the evicted cache, certify it."""
         hold = min(self.config.cert_window, n_tokens - 1)
-        if not self.reads_attention or hold < 1:
+        if not self.reads_attention or not self.readout_due() or hold < 1:
             return 0
         head = n_tokens - hold
         budget = self.budget_cells(self.engine.next_pos + head)
@@ -128,12 +175,13 @@ class CacheManager:
     # -- attention readings ------------------------------------------------------------
     def after_prefill(self) -> patched.Importance | None:
         """The question's attention (importance) on the pre-eviction cache: kept to score the next eviction,
-        and returned for the gate (None when the readout is off)."""
+        and returned for the gate (None when the readout is off, or below ``evict_from``: the full cache has
+        nothing to certify, so the gate has nothing to fire on)."""
         if not self.reads_attention:
             return None
         self._importance = []
         self.read_importance()
-        return self._importance[-1] if self._importance else None
+        return self._importance[-1] if self._importance and self.evicting() else None
 
     def read_importance(self, add: bool = False) -> None:
         """Keep the attention the last feed's window rows paid each cell (the next eviction's scores);
@@ -161,6 +209,10 @@ class CacheManager:
         cache = self.engine.cache
         n = len(cache)
         if not pol.evicts or target is None or n <= target:
+            return None
+        if pol.needs_importance and not self._importance:
+            # Nothing read yet to score with (the readout was off below evict_from when this history arrived in
+            # one batch, e.g. a reopened conversation): the next prefill reads it, and the round waits for it.
             return None
         positions = np.asarray(cache.positions, dtype=np.int64)
         segments = np.asarray(cache.segments, dtype=np.int64)

@@ -715,6 +715,7 @@ class ChatSession:
             live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, retained=retained,
             certificates=list(self._turn_certs), gate_threshold=self.gate.threshold(), tok_per_s=self._last_tok_s,
             reread=reread,
+            full_cache_until=self.memory.full_until,
         )
 
     def _message_lengths(self) -> dict[int, int]:

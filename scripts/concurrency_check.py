@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from memory_store import Store  # noqa: E402
 
-ARGS = ["--model", "smollm2-135m", "--policy", "poisson", "--budget", "48", "--gate", "0", "--max-tokens", "24",
+ARGS = ["--model", "smollm2-135m", "--policy", "poisson", "--budget", "48", "--gate", "0",
+        "--evict-from", "0", "--max-tokens", "24",
         "--threads", "1"]
 
 READER = r"""

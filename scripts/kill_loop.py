@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 from memory_store import Store  # noqa: E402
 
 MOMENTS = ("prefill", "reread", "streaming", "turn-end")
-ARGS = ["--model", "smollm2-135m", "--policy", "poisson", "--budget", "48", "--gate", "0", "--max-tokens", "48",
+ARGS = ["--model", "smollm2-135m", "--policy", "poisson", "--budget", "48", "--gate", "0",
+        "--evict-from", "0", "--max-tokens", "48",
         "--threads", "2"]
 
 

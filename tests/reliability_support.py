@@ -18,7 +18,8 @@ from memory_store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 # The fast model and settings that make it evict and gate on every turn.
-EVICTING = ["--model", "smollm2-135m", "--policy", "poisson", "--budget", "48", "--gate", "0", "--threads", "2"]
+EVICTING = ["--model", "smollm2-135m", "--policy", "poisson", "--budget", "48", "--gate", "0",
+            "--evict-from", "0", "--threads", "2"]
 
 
 def env(**extra: str) -> dict[str, str]:

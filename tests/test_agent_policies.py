@@ -31,7 +31,7 @@ def engine(small_model: Path):
 @pytest.mark.parametrize("policy", sorted(policies.POLICIES))
 def test_policy_matrix(policy: str, evict_at: str, engine: Engine, tmp_path: Path,
                        monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = Config(model="smollm2-135m", n_ctx=2048, policy=policy, budget=str(BUDGET), max_tokens=12,
+    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy=policy, budget=str(BUDGET), max_tokens=12,
                  gate="off", page_size=4, seed=7, evict_at=evict_at)
     store = Store(tmp_path / "log.db")
     s = ChatSession(cfg, store, engine, "smollm2-135m")
@@ -94,7 +94,7 @@ def test_forced_gate_reproduces_full_cache_answers(engine: Engine, tmp_path: Pat
     """
     from native import llama
 
-    cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="48", max_tokens=16, gate="0",
+    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="48", max_tokens=16, gate="0",
                  gate_stat="question.max", page_size=4)
     store = Store(tmp_path / "gate.db")
     s = ChatSession(cfg, store, engine, "smollm2-135m")
@@ -121,7 +121,7 @@ def test_forced_gate_reproduces_full_cache_answers(engine: Engine, tmp_path: Pat
 def test_answer_certificates_only_when_asked(answer_certificate: bool, engine: Engine, tmp_path: Path) -> None:
     """The question-window certificate is always read; per-answer-step ones only when asked for
     (or an answer.* gate needs them), since each costs a V-sized product per layer."""
-    cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget=str(BUDGET), max_tokens=8,
+    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget=str(BUDGET), max_tokens=8,
                  gate="off", page_size=4, seed=3, answer_certificate=answer_certificate)
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in FACTS + FILLERS[:3]:
@@ -146,7 +146,7 @@ def test_a_long_message_after_eviction_makes_room(policy: str, small_model: Path
     by the last attention reading (it used to find none after an eviction and fail)."""
     eng = Engine(EngineSettings(model_path=small_model, n_ctx=512, n_batch=256, threads=2))
     try:
-        cfg = Config(model="smollm2-135m", n_ctx=512, policy=policy, budget="64", max_tokens=16, gate="off",
+        cfg = Config(model="smollm2-135m", n_ctx=512, evict_from=0, policy=policy, budget="64", max_tokens=16, gate="off",
                      page_size=4)
         s = ChatSession(cfg, Store(tmp_path / "log.db"), eng, "smollm2-135m")
         for i in range(4):
@@ -197,7 +197,7 @@ def test_a_message_that_nearly_fills_the_context_keeps_the_newest_history(small_
 def test_a_small_budget_still_samples_after_the_question(engine: Engine, tmp_path: Path) -> None:
     """The recent window gives way to the message, so a budget barely above sinks + recent + message still
     leaves cells to sample and the certificate measures something (it used to be 0: nothing was sampled)."""
-    cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="48", max_tokens=8, gate="off",
+    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="48", max_tokens=8, gate="off",
                  page_size=4, seed=5, evict_at="question")
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     results = [drive.forced(s, text, "Noted.") for text in FACTS + FILLERS]
@@ -215,7 +215,7 @@ def test_a_message_that_fills_the_budget_is_uncertified_and_gated(engine: Engine
     from agent import events as ev
 
     # the budget's floor is sinks + recent (36 cells); the message is longer than that
-    cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="24", max_tokens=8, gate="1000",
+    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="24", max_tokens=8, gate="1000",
                  page_size=4, evict_at="question")
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in FACTS:
@@ -260,7 +260,7 @@ def test_a_gate_reread_restores_the_previous_reread_and_prefills_only_what_came_
     restored cells are the ones a prefill of the same logged tokens computed), and a copy never crosses
     conversations."""
     def run(copy: bool) -> tuple[list[ev.TurnResult], ChatSession]:
-        cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="48", max_tokens=12, gate="0",
+        cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="48", max_tokens=12, gate="0",
                      gate_stat="question.max", page_size=4, reread_copy=copy)
         s = ChatSession(cfg, Store(tmp_path / f"copy-{copy}.db"), engine, "smollm2-135m")
         return [s.send(text) for text in FACTS + ["What is my locker code?"]], s

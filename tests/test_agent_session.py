@@ -186,7 +186,7 @@ def test_a_gated_reread_reports_progress_and_can_be_stopped(engine: Engine, tmp_
     """The gate announces its re-read, reports progress, and Esc (cancel) during it puts back the cache the
     re-read replaced (the turn's evicted cache, less the message) and keeps the message in the log as never
     answered."""
-    config = Config(model="smollm2-135m", n_ctx=1024, policy="poisson", budget="48", max_tokens=8, gate="0",
+    config = Config(model="smollm2-135m", n_ctx=1024, evict_from=0, policy="poisson", budget="48", max_tokens=8, gate="0",
                     page_size=4)
     s = ChatSession(config, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in ("My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø."):

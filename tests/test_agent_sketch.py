@@ -28,7 +28,7 @@ def engine(small_model: Path):
 
 
 def _config(**changes: object) -> Config:
-    return Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="64", max_tokens=8, gate="off",
+    return Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=8, gate="off",
                   page_size=4, seed=3, sketch_layers="10,20").replace(**changes)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent import cli_replay
+from agent.config import Config
 from agent.replay import aggregate, longchat, longdemo
 
 HAVE_LOCOMO = bool(sorted(longchat.SHARED_LOCOMO.glob("*.json")))
@@ -53,6 +54,7 @@ def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: 
         assert len(run["turn_wall_s"]) == len(run["steps"]) == len(run["rss_bytes"])
         assert run["question_fillers"] == s.meta["question_fillers"]
     assert doc["meta"]["demo"] == "long" and "resident set size" in doc["meta"]["host_memory"]
+    assert doc["meta"]["design"]["evict_from"] == Config().evict_from
     for name in ("long-table.md", "table.md", "long-turn_time.png", "long-certificate_by_turn.png"):
         assert (out / name).exists(), name
     table = (out / "long-table.md").read_text(encoding="utf-8")

@@ -50,7 +50,7 @@ def tiny(tmp_path: Path) -> Path:
 
 
 def _runner(engine: Engine, tmp_path: Path) -> Runner:
-    cfg = Config(model="smollm2-135m", n_ctx=1024, max_tokens=16, threads=1)
+    cfg = Config(model="smollm2-135m", n_ctx=1024, max_tokens=16, threads=1, evict_from=0)
     return Runner(cfg, engine, "smollm2-135m", ReplayStore(tmp_path / "replay.db"))
 
 

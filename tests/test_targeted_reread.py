@@ -35,7 +35,7 @@ def qwen(model_path: Callable[[str], Path]):
 
 def _config(**changes: object) -> Config:
     base = Config(model="qwen2.5-coder-0.5b", n_ctx=4096, policy="poisson", budget="10%", max_tokens=40,
-                  temperature=0.0, seed=0, reread_copy=False)
+                  temperature=0.0, seed=0, reread_copy=False, evict_from=0)
     return base.replace(**changes)
 
 
@@ -134,8 +134,8 @@ FILLERS = [f"Give me one short sentence about the number {i}." for i in range(12
 ])
 def test_the_whole_history_is_reread_when_no_message_can_be_named(small: Engine, tmp_path: Path,
                                                                   changes: dict, why: str) -> None:
-    cfg = Config(model="smollm2-135m", n_ctx=2048, policy="poisson", budget="64", max_tokens=8, gate="off",
-                 page_size=4, seed=3, sketch_layers="10,20", reread_copy=False)
+    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=8,
+                 gate="off", page_size=4, seed=3, sketch_layers="10,20", reread_copy=False)
     s = ChatSession(cfg, Store(tmp_path / "log.db"), small, "smollm2-135m")
     for text in FACTS + FILLERS:
         drive.forced(s, text, "Noted.")

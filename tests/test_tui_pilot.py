@@ -54,7 +54,7 @@ def make_app(tmp_path: Path, small_model: Path) -> MakeApp:
     # machine, decoding measured 15× slower (24 tokens: 17.6 s at threads=2, 1.1 s at threads=1).
     def make(conversation_id: int | None = None, **overrides: Any) -> CertchatApp:
         settings = dict(model=str(small_model), n_ctx=1024, n_batch=256, max_tokens=24, threads=1,
-                        policy="full", gate="off")
+                        policy="full", gate="off", evict_from=0)
         settings.update(overrides)
         config = Config().replace(**settings)
         return CertchatApp(config, conversation_id=conversation_id, db_path=tmp_path / "chat.db",
@@ -283,6 +283,26 @@ def test_forced_gate_shows_in_chat_and_panel(make_app: MakeApp, monkeypatch: pyt
         assert reads and reads[0].startswith("re-reading the history: 0 of ")
         done, total = reads[-1].split(": ")[1].split(" tokens")[0].split(" of ")
         assert done == total
+
+    drive(app, scenario)
+
+
+def test_status_line_says_full_cache_below_evict_from(make_app: MakeApp) -> None:
+    """Below config evict_from an evicting policy runs the full cache, and the status line says until when; past
+    it, the budget shows instead."""
+    app = make_app(policy="poisson", budget="48", gate="off", evict_from=160)
+
+    async def scenario(pilot: Any) -> None:
+        await ready(pilot, app)
+        await send(pilot, app, "Hi.")
+        status = render.status_line(app.chat_screen.status.info).plain
+        assert "full cache until 160 tokens" in status, status
+        for text in ("My cat is called Purrnickel and she sleeps all day by the window in the sun.",
+                     "I live in Tromsø, by the harbour, in a blue house with a red door.",
+                     "What is my cat called?"):
+            await send(pilot, app, text)
+        status = render.status_line(app.chat_screen.status.info).plain
+        assert "full cache until" not in status and "(≤" in status, status
 
     drive(app, scenario)
 

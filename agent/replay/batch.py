@@ -102,7 +102,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
         # the design settings every policy shares (from the config file unless a variant overrides them)
         "design": {k: getattr(cfg, k) for k in ("sinks", "recent", "page_size", "top_share", "floor",
                                                  "question_window", "cert_window", "gate_stat", "evict_at",
-                                                 "sketch_layers", "sketch_bits", "system_prompt")
+                                                 "evict_from", "sketch_layers", "sketch_bits", "system_prompt")
                    if hasattr(cfg, k)},
         **settings.extra_meta,
     }

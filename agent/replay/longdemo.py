@@ -104,7 +104,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
                        "and that peak less the resident size when the run started",
         "design": {k: getattr(cfg, k) for k in ("sinks", "recent", "page_size", "top_share", "floor",
                                                  "question_window", "cert_window", "gate_stat", "evict_at",
-                                                 "reread_copy") if hasattr(cfg, k)},
+                                                 "evict_from", "reread_copy") if hasattr(cfg, k)},
         **settings.extra_meta,
     }
     settings.out.mkdir(parents=True, exist_ok=True)
