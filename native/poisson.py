@@ -735,15 +735,21 @@ def page_variance(weights: ArrayLike, values: ArrayLike, o_hat: ArrayLike, stage
     if cl.size == 0:
         return out
     z = p[:, :, None] * (v[None, :, :] - o[:, None, :])  # (m, n, d)
+    # the last stage refines every earlier one: sum z over its clusters once, then coarser stages sum those
+    order = np.lexsort(cl[::-1])  # cells grouped by cluster at every stage (a no-op for cache order)
+    fine = cl[:, order]
+    change = np.zeros(n, dtype=bool)
+    change[0] = True
+    change[1:] = (fine[:, 1:] != fine[:, :-1]).any(axis=0)
+    bounds = np.flatnonzero(change)
+    sums_fine = np.add.reduceat(z[:, order], bounds, axis=1)  # (m, finest clusters, d)
     carried = np.ones(n)  # Π_{r'<r} π_{r'} of each cell's cluster
     for r in range(cl.shape[0]):
-        w = carried * (1.0 - pis[r])
+        w = (carried * (1.0 - pis[r]))[order][bounds]  # one value per finest cluster (its cells share it)
         if np.any(w > 0):
-            order = np.argsort(cl[r], kind="stable")
-            ids = cl[r][order]
+            ids = fine[r, bounds]
             starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
-            sums = np.add.reduceat(z[:, order], starts, axis=1)  # (m, clusters, d)
-            w_c = w[order][starts]  # one value per cluster (its cells share every round's π)
-            out += np.einsum("c,mcd->m", w_c, sums * sums)
+            sums = np.add.reduceat(sums_fine, starts, axis=1)
+            out += np.einsum("c,mcd->m", w[starts], sums * sums)
         carried = carried * pis[r]
     return out

@@ -442,6 +442,7 @@ def turn_cells(ev: dict[int, LayerCapture], full: dict[int, LayerCapture], rows:
     n = len(positions)
     n_full = int(positions[-1]) + 1
     pi = np.exp(np.minimum(logpi, 0.0))
+    cells_only = poisson.Stages.single(np.arange(n), pi)  # every cell its own unit, cumulative π: the graph's form
     cols: dict[str, list[np.ndarray]] = {f: [] for f in CELL_FIELDS}
     checks = {"out_rel": 0.0, "token_np_vs_graph_rel": 0.0, "mask_mismatch": 0.0}
     rels: list[np.ndarray] = []
@@ -461,38 +462,47 @@ def turn_cells(ev: dict[int, LayerCapture], full: dict[int, LayerCapture], rows:
         q = e.q[:, -rows:, :].astype(np.float64)
         mask_full = f.mask[:rows, :n_full].astype(np.float64)
         scale = float(f.scale if f.scale is not None else 1.0 / math.sqrt(q.shape[2]))
-        for h in range(n_head):
-            hk = h // group
+        per_kv = []
+        for hk in range(n_kv_head):
             v_ev = e.v[hk, :n].astype(np.float64)
             k_full = f.k[hk, :n_full].astype(np.float64)
             v_full = f.v[hk, :n_full].astype(np.float64)
-            o_same = _softmax_rows(scale * q[h] @ k_full.T + mask_full) @ v_full
-            err = np.linalg.norm(o_hat[h] - o_same, axis=1)
-            err_e2e = np.linalg.norm(o_hat[h] - f.out[h, -rows:, :].astype(np.float64), axis=1)
-            ph = p[h]
-            o_np = ph @ v_ev
-            checks["out_rel"] = max(checks["out_rel"], float(np.max(np.linalg.norm(o_np - o_hat[h], axis=1)
-                                                                     / np.maximum(np.linalg.norm(o_hat[h], axis=1),
-                                                                                  1e-12))))
-            resid2 = ((v_ev[None, :, :] - o_hat[h][:, None, :]) ** 2).sum(axis=2)  # [rows, n]
-            vt = ((1.0 - pi)[None, :] * ph ** 2 * resid2).sum(axis=1)
-            vp = poisson.page_variance(ph, v_ev, o_hat[h], stages)
-            vg = v_hat[il, h].astype(np.float64)
-            # relative, with a floor of 1e-6‖ô‖² (the graph's V̂ is a difference of F32 sums, clamped at 0)
-            floor = 1e-6 * o_norm2[il, h].astype(np.float64)
-            rel = np.abs(vt - vg) / (np.maximum(np.abs(vg), vt) + floor)
-            checks["token_np_vs_graph_rel"] = max(checks["token_np_vs_graph_rel"], float(np.max(rel)))
-            rels.append(rel)
             # the reference with this run's own K/V for the kept cells and the full run's for the evicted ones:
             # the error of the sample alone, without the drift of what the kept cells hold
             k_mix, v_mix = k_full.copy(), v_full.copy()
             k_mix[positions] = e.k[hk, :n].astype(np.float64)
             v_mix[positions] = v_ev
-            o_design = _softmax_rows(scale * q[h] @ k_mix.T + mask_full) @ v_mix
-            err_design = np.linalg.norm(o_hat[h] - o_design, axis=1)
-            for name, val in (("layer", np.full(rows, il)), ("head", np.full(rows, h)), ("row", np.arange(rows)),
-                              ("err", err), ("err_e2e", err_e2e), ("err_design", err_design), ("v_hat", vg),
-                              ("o_norm2", o_norm2[il, h].astype(np.float64)), ("v_hat_token_np", vt),
+            per_kv.append((v_ev, k_full, v_full, k_mix, v_mix))
+        mask_g = np.tile(mask_full, (group, 1))  # the query heads of one KV head, stacked row-wise
+        for hk in range(n_kv_head):
+            # the query heads of this KV head as one (group · rows)-row problem: one call per KV head
+            heads = np.arange(hk * group, (hk + 1) * group)
+            v_ev, k_full, v_full, k_mix, v_mix = per_kv[hk]
+            qg = q[heads].reshape(-1, q.shape[2])
+            og = o_hat[heads].reshape(-1, o_hat.shape[2])
+            pg = p[heads].reshape(-1, n)
+            logits = scale * qg @ k_full.T + mask_g
+            o_same = _softmax_rows(logits) @ v_full
+            o_design = _softmax_rows(scale * qg @ k_mix.T + mask_g) @ v_mix
+            err = np.linalg.norm(og - o_same, axis=1)
+            err_e2e = np.linalg.norm(og - f.out[heads][:, -rows:, :].reshape(-1, og.shape[1]).astype(np.float64),
+                                     axis=1)
+            err_design = np.linalg.norm(og - o_design, axis=1)
+            o_np = pg @ v_ev
+            checks["out_rel"] = max(checks["out_rel"], float(np.max(np.linalg.norm(o_np - og, axis=1)
+                                                                     / np.maximum(np.linalg.norm(og, axis=1), 1e-12))))
+            vt = poisson.page_variance(pg, v_ev, og, cells_only)  # the token form, in the reference
+            vp = poisson.page_variance(pg, v_ev, og, stages)
+            vg = v_hat[il, heads].reshape(-1).astype(np.float64)
+            o2 = o_norm2[il, heads].reshape(-1).astype(np.float64)
+            # relative, with a floor of 1e-6‖ô‖² (the graph's V̂ is a difference of F32 sums, clamped at 0)
+            rel = np.abs(vt - vg) / (np.maximum(np.abs(vg), vt) + 1e-6 * o2)
+            checks["token_np_vs_graph_rel"] = max(checks["token_np_vs_graph_rel"], float(np.max(rel)))
+            rels.append(rel)
+            m = len(heads) * rows
+            for name, val in (("layer", np.full(m, il)), ("head", np.repeat(heads, rows)),
+                              ("row", np.tile(np.arange(rows), len(heads))), ("err", err), ("err_e2e", err_e2e),
+                              ("err_design", err_design), ("v_hat", vg), ("o_norm2", o2), ("v_hat_token_np", vt),
                               ("v_hat_page_np", vp)):
                 cols[name].append(np.asarray(val, dtype=np.float64))
     out = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
@@ -516,9 +526,12 @@ class ProductCoverage:
     """Observers for an in-process replay (a context manager): at every question the gate reads on an evicted
     cache, the cells of :func:`turn_cells`, grouped by ``"<policy> <budget> <protocol>"``."""
 
-    def __init__(self, model_path: Path, threads: int) -> None:
+    def __init__(self, model_path: Path, threads: int, every_turn: bool = False) -> None:
         self.model_path = model_path
         self.threads = threads
+        self.every_turn = every_turn
+        """Every question on an evicted cache (fillers too), not only the probes' (a live chat answers both;
+        the numpy side costs seconds per question on two shared cores)."""
         self.seen = _Observed()
         self._undo: list[tuple[Any, str, Any]] = []
         self._model: Any = None
@@ -577,7 +590,9 @@ class ProductCoverage:
         def read_question(orig: Any) -> Any:
             def wrapper(gate: Any, engine: Any, rows: int, sampled_design: bool, *args: Any, **kw: Any) -> Any:
                 result = orig(gate, engine, rows, sampled_design, *args, **kw)
-                if (seen.job is not None and sampled_design and engine.reading and rows > 0
+                step = seen.step
+                wanted = self.every_turn or (step is not None and getattr(step, "probe", None) is not None)
+                if (seen.job is not None and wanted and sampled_design and engine.reading and rows > 0
                         and len(engine.cache) < engine.next_pos):
                     self._capture(gate, engine, rows)
                 return result
