@@ -1,24 +1,17 @@
 """The coverage study: does the certificate cover the realized attention-output error, per (layer, head)?
 
-Protocol (one-shot, single-layer teacher forcing; the approximation is stated in the results):
+Two ways, both here:
 
-1. Replay the script under ``full``; the log then holds the exact token ids of the history
-   every policy shares.
-2. Feed that history, probe by probe, into a raw llama.cpp context with a ``cb_eval``
-   capture: at each probe's last ``question_window`` tokens, read every layer's post-RoPE
-   queries and the cache's K and V (the ``kq`` / ``kqv`` nodes' sources).
-3. In numpy: the question window's attention mass (summed over heads and layers, pooled
-   as the policy pools it) scores the cells; ``native.poisson.plan_eviction`` draws the
-   agent's design (same protected set, budget, pages, top slice, floor) ``draws`` times;
-   for the probe's last query row, per (layer, head), ``native.poisson.hajek_estimate``
-   gives the Hájek estimate ô over the kept cells and its variance estimates, and the
-   realized error is ‖ô − o‖ against the full-cache output o of the *same* query.
-
-Each (probe, draw, layer, head) is one cell. Coverage is reported for the certificate
-forms of ``native.poisson.certificate`` (z, χ², F) and for the token- and cluster-form
-variance, so the sampling unit's effect is visible. What this does not include: the
-query of an *evicted* run (earlier layers' errors propagating into later layers' queries)
-and multi-round cumulative probabilities; both need reading the evicted run's graph.
+- **The product path** (:func:`run_coverage`, what ``certchat replay --study coverage`` runs): the Poisson
+  policy is replayed in this process, in the multi-round and/or one-shot protocol, with observers on the
+  engine, the design core and the gate (:class:`ProductCoverage`). At each probe's question on an evicted
+  cache, the cache is copied into a capture context and the question's last rows re-decoded (the chat's own
+  weights, values and outputs), a full-history context gives the full cache's output for the same query rows,
+  and every (row, layer, head) becomes a cell with the product's certificate terms beside the realized errors
+  (:data:`CELL_FIELDS`). docs/POISSON.md, "The certificate the gate shows", has the definitions.
+- **Numpy-drawn designs** (:func:`run_coverage_draws`, one-shot, single-layer teacher forcing): the full run's
+  Q, K, V at each probe, the agent's design drawn ``draws`` times in numpy, certificates of every form from
+  ``native.poisson.hajek_estimate`` — for design experiments (units, top slice) without a replay per design.
 """
 
 from __future__ import annotations
