@@ -153,9 +153,9 @@ def _multipliers(path: Path = CERTIFICATE_PATH) -> dict[str, float]:
         return {}
 
 
-def certificate_multiplier(budget: str | None = None, path: Path = CERTIFICATE_PATH) -> float:
+def certificate_multiplier(budget: str | None = None, path: Path | None = None) -> float:
     """k for the configured budget (e.g. "10%"); 1 (the uncalibrated sqrt(V̂)/‖ô‖) without a calibration file."""
-    table = _multipliers(path)
+    table = _multipliers(path or CERTIFICATE_PATH)
     if not table:
         return 1.0
     if budget is not None and _budget_key(budget) in table:
@@ -163,8 +163,9 @@ def certificate_multiplier(budget: str | None = None, path: Path = CERTIFICATE_P
     return max(table.values())
 
 
-def write_multipliers(record: dict[str, Any], path: Path = CERTIFICATE_PATH) -> Path:
+def write_multipliers(record: dict[str, Any], path: Path | None = None) -> Path:
     """Write the multiplier file (``{"multipliers": [{"budget", "multiplier", ...}], ...}``)."""
+    path = path or CERTIFICATE_PATH
     path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     _multipliers.cache_clear()
     return path
