@@ -49,6 +49,7 @@ def test_numpy_reference_equals_the_graph_on_real_tensors(small_model: Path, tmp
     assert turns and all(t["n_cells"] == 8 * 30 * 9 for t in turns)  # rows × layers × heads (SmolLM2-135M)
     for t in turns:
         assert t["out_rel"] < 2e-2  # the graph's output vs numpy's p·V (F16 V cache)
+        assert t["full_out_rel"] < 2e-2  # the full reference's numpy attention = the full graph's output
         assert t["mask_mismatch"] == 0.0
         assert t["rounds_logpi_gap"] < 1e-9
     cells = np.load(tmp_path / "out" / "coverage-cells.npz")

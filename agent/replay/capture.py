@@ -437,7 +437,7 @@ def turn_cells(ev: dict[int, LayerCapture], full: dict[int, LayerCapture], rows:
     pi = np.exp(np.minimum(logpi, 0.0))
     cells_only = poisson.Stages.single(np.arange(n), pi)  # every cell its own unit, cumulative π: the graph's form
     cols: dict[str, list[np.ndarray]] = {f: [] for f in CELL_FIELDS}
-    checks = {"out_rel": 0.0, "token_np_vs_graph_rel": 0.0, "mask_mismatch": 0.0}
+    checks = {"out_rel": 0.0, "full_out_rel": 0.0, "token_np_vs_graph_rel": 0.0, "mask_mismatch": 0.0}
     rels: list[np.ndarray] = []
     for il in sorted(ev):
         e, f = ev[il], full.get(il)
@@ -482,6 +482,13 @@ def turn_cells(ev: dict[int, LayerCapture], full: dict[int, LayerCapture], rows:
                                      axis=1)
             err_design = np.linalg.norm(og - o_design, axis=1)
             o_np = pg @ v_ev
+            # the full reference recomputed for the full run's own query rows = its graph's output (catches a
+            # logit transform the numpy path would miss: soft-capping, a bias on the logits)
+            full_q = f.q[heads][:, -rows:, :].reshape(-1, og.shape[1]).astype(np.float64)
+            full_out = f.out[heads][:, -rows:, :].reshape(-1, og.shape[1]).astype(np.float64)
+            full_np = _softmax_rows(scale * full_q @ k_full.T + mask_g) @ v_full
+            checks["full_out_rel"] = max(checks["full_out_rel"], float(np.max(
+                np.linalg.norm(full_np - full_out, axis=1) / np.maximum(np.linalg.norm(full_out, axis=1), 1e-12))))
             checks["out_rel"] = max(checks["out_rel"], float(np.max(np.linalg.norm(o_np - og, axis=1)
                                                                      / np.maximum(np.linalg.norm(og, axis=1), 1e-12))))
             vt = poisson.page_variance(pg, v_ev, og, cells_only)  # the token form, in the reference
@@ -746,7 +753,7 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
                      "turns": len(mine), "uncertified_turns": sum(t["uncertified"] for t in mine),
                      "forms": coverage_forms(sub, k), "by_script": by_script,
                      "checks": {c: max((t[c] for t in mine), default=None)
-                                for c in ("out_rel", "token_np_vs_graph_rel", "token_np_vs_graph_rel_median",
+                                for c in ("out_rel", "full_out_rel", "token_np_vs_graph_rel", "token_np_vs_graph_rel_median",
                                           "mask_mismatch", "rounds_logpi_gap")}})
     head = next((r for r in rows if r["forms"]), None)
     shipped = head["forms"]["shipped"] if head else {}
