@@ -60,7 +60,14 @@ def main() -> int:
     ap.add_argument("--markdown", type=Path)
     args = ap.parse_args()
     cal, held = set(args.calibration.split(",")), set(args.held_out.split(","))
-    entries = [e for s in args.studies for e in load(s)]
+    loaded = [e for s in args.studies for e in load(s)]
+    # one entry per (model, budget, protocol), the study folders (passes over different scripts) concatenated
+    entries = []
+    for key in sorted({(e["model"], e["budget"], e["protocol"]) for e in loaded}):
+        parts = [e for e in loaded if (e["model"], e["budget"], e["protocol"]) == key]
+        entries.append({**parts[0], "command": [p["command"] for p in parts],
+                        "cells": {k: np.concatenate([p["cells"][k] for p in parts]) for k in parts[0]["cells"]},
+                        "script": np.concatenate([p["script"] for p in parts])})
     budgets = sorted({e["budget"] for e in entries}, key=lambda b: float(b.rstrip("%")))
     records, table = [], []
     for budget in budgets:
