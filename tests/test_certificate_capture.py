@@ -44,7 +44,7 @@ def test_numpy_reference_equals_the_graph_on_real_tensors(small_model: Path, tmp
     result = capture.run_coverage([script.load(_script(tmp_path))], settings, Config(model=str(small_model),
                                                                                       threads=1))
     assert {r["protocol"] for r in result["rows"]} == {"multi-round", "one-shot"}
-    assert result["n_cells"] > 0 and 0.0 <= result["coverage"] <= 1.0 and result["protocol"] == "multi-round"
+    assert result["n_cells"] > 0 and 0.0 <= result["coverage"] <= 1.0 and result["protocol"] in ("multi-round", "one-shot")
     turns = json.loads((tmp_path / "out" / "coverage-turns.json").read_text())
     assert turns and all(t["n_cells"] == 8 * 30 * 9 for t in turns)  # rows × layers × heads (SmolLM2-135M)
     for t in turns:
