@@ -522,6 +522,12 @@ class _Observed:
     cells: dict[str, list[dict[str, np.ndarray]]] = field(default_factory=dict)
 
 
+BASE_MODEL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+"""Gemma's turn markup, for a base model without a chat template (the study only; the agent refuses such a model)."""
+
+
 class ProductCoverage:
     """Observers for an in-process replay (a context manager): at every question the gate reads on an evicted
     cache, the cells of :func:`turn_cells`, grouped by ``"<policy> <budget> <protocol>"``."""
@@ -530,6 +536,7 @@ class ProductCoverage:
         self.model_path = model_path
         self.threads = threads
         self.every_turn = every_turn
+        self.fallback_template = False
         """Every question on an evicted cache (fillers too), not only the probes' (a live chat answers both;
         the numpy side costs seconds per question on two shared cores)."""
         self.seen = _Observed()
@@ -543,12 +550,14 @@ class ProductCoverage:
     # -- observers -----------------------------------------------------------------------
     def _wrap(self, owner: Any, name: str, make: Any) -> None:
         orig = getattr(owner, name)
-        self._undo.append((owner, name, orig))
+        raw = owner.__dict__.get(name, orig) if isinstance(owner, type) else orig  # a classmethod stays one
+        self._undo.append((owner, name, raw))
         setattr(owner, name, make(orig))
 
     def __enter__(self) -> "ProductCoverage":
         from agent import engine as engine_mod  # noqa: PLC0415
         from agent import gate as gate_mod  # noqa: PLC0415
+        from agent import template as template_mod  # noqa: PLC0415
         from agent.replay import runner as runner_mod  # noqa: PLC0415
         from native import poisson  # noqa: PLC0415
 
@@ -598,6 +607,19 @@ class ProductCoverage:
                 return result
             return wrapper
 
+        def for_model(orig: Any) -> Any:
+            def wrapper(model: Any) -> Any:
+                if model.chat_template():
+                    return orig(model)
+                # a base model (gemma3-270m) has no chat template and the agent refuses it; the study gives it
+                # Gemma's turn markup, so its attention can be measured on the same scripts (results say so)
+                self.fallback_template = True
+                bos = model.token_to_piece(model.bos(), special=True).decode("utf-8", errors="replace")
+                eos = model.token_to_piece(model.eos(), special=True).decode("utf-8", errors="replace")
+                return template_mod.ChatTemplate(source=BASE_MODEL_TEMPLATE, bos_token=bos, eos_token=eos)
+            return wrapper
+
+        self._wrap(template_mod.ChatTemplate, "for_model", lambda orig: staticmethod(for_model(orig)))
         self._wrap(runner_mod.Runner, "run", run)
         self._wrap(runner_mod.Runner, "_send", send)
         self._wrap(engine_mod.Engine, "feed", feed)
@@ -733,6 +755,7 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
         labels = list(obs.seen.cells)
         arrays = {label: obs.arrays(label) for label in labels}
         turns = list(obs.seen.turns)
+        fallback = obs.fallback_template
     np.savez_compressed(out_dir / "coverage-cells.npz",
                         **{f"{label}|{k}": v for label, a in arrays.items() for k, v in a.items()})
     (out_dir / "coverage-turns.json").write_text(json.dumps(turns, indent=0) + "\n", encoding="utf-8")
@@ -762,4 +785,5 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
             "coverage": shipped.get("coverage"), "n_cells": shipped.get("n_cells"),
             "spearman": shipped.get("spearman"), "multiplier": shipped.get("multiplier"),
             "certificate": "k·sqrt(V̂)/‖ô‖ (token-form V̂ in the graph; k calibrated, agent/certificate_calibration.json)",
-            "rows": rows, "cells_file": str(out_dir / "coverage-cells.npz")}
+            "rows": rows, "cells_file": str(out_dir / "coverage-cells.npz"),
+            "template": "study fallback (Gemma turn markup: the GGUF has none)" if fallback else "the GGUF's"}
