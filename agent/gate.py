@@ -245,7 +245,7 @@ class Gate:
     def threshold(self) -> float | None:
         gate = parse_gate(self.config.gate)
         if gate == "auto":
-            return calibration.default_tau(self.statistic, self.config.evict_at)
+            return calibration.default_tau(self.statistic, self.config.evict_at, self.config.budget)
         return gate if isinstance(gate, float) else None
 
     def wants_answer_certificates(self) -> bool:
@@ -294,7 +294,9 @@ class Gate:
             reading = engine.read_importance()
         share = evicted_share(reading, positions, logpi)
         turn = self.turn
-        turn.question = relative_certificate(engine.read_certificate())[-rows:]
+        # the shown certificate: k·sqrt(V̂)/‖ô‖, k calibrated per budget (agent.calibration)
+        k = calibration.certificate_multiplier(self.config.budget)
+        turn.question = relative_certificate(engine.read_certificate())[-rows:] * k
         turn.sampled_cells = int(np.count_nonzero(sampled))
         turn.uncertified = sampled_design and evicted and units < 2
         turn.evicted_share = share
@@ -382,7 +384,8 @@ class Gate:
         tau = self.threshold()
         if not engine.reading:
             return GateDecision(None, tau, False)
-        self.turn.answer.append(relative_certificate(engine.read_certificate())[-1])
+        k = calibration.certificate_multiplier(self.config.budget)
+        self.turn.answer.append(relative_certificate(engine.read_certificate())[-1] * k)
         if not self.statistic.startswith("answer."):
             return GateDecision(None, tau, False)
         value = self.turn.statistics().get(self.statistic)

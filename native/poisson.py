@@ -666,3 +666,90 @@ def turn_statistics(
         for key, value in window_statistics(cert, quantile).items():
             out[f"{label}.{key}"] = value
     return out
+
+
+# ---------------------------------------------------------------- the page-form (cluster) variance, multi-round
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The design a set of kept cells went through, one row per eviction round, cells in cache order.
+
+    ``cluster[r, i]``: the cells drawn as one unit in round r *and in every earlier round* share an id (ids
+    of a round need only be distinct between clusters; rounds refine each other). ``pi[r, i]``: the
+    inclusion probability of cell i's unit in round r (1 where the cell was protected, in the top slice,
+    or not yet in the cache). The product over rounds is the cell's cumulative π (the −log π bias)."""
+
+    cluster: NDArray[np.int64]
+    pi: NDArray[np.float64]
+
+    @classmethod
+    def from_rounds(cls, rounds: list[tuple[NDArray[np.int64], NDArray[np.float64]]]) -> "Stages":
+        """From per-round (unit id, π) of each cell (unit id −1 and π 1 where the cell missed the round): the
+        stage-r cluster is the tuple of unit ids of rounds 0…r."""
+        if not rounds:
+            return cls(np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0)))
+        n = len(rounds[0][0])
+        cluster = np.empty((len(rounds), n), dtype=np.int64)
+        key = np.zeros(n, dtype=np.int64)
+        for r, (units, _) in enumerate(rounds):
+            # refine the previous stage's clusters by this round's units (renumbered densely)
+            pairs = np.stack([key, np.asarray(units, dtype=np.int64)], axis=1)
+            _, key = np.unique(pairs, axis=0, return_inverse=True)
+            key = key.reshape(-1).astype(np.int64)
+            cluster[r] = key
+        pi = np.stack([np.asarray(p, dtype=np.float64) for _, p in rounds])
+        return cls(cluster, pi)
+
+    @classmethod
+    def single(cls, unit_ids: ArrayLike, pi: ArrayLike) -> "Stages":
+        """One round (the one-shot protocol): the units as drawn, their π."""
+        return cls(np.asarray(unit_ids, dtype=np.int64)[None, :], np.asarray(pi, dtype=np.float64)[None, :])
+
+
+def page_variance(weights: ArrayLike, values: ArrayLike, o_hat: ArrayLike, stages: Stages) -> NDArray[np.float64]:
+    """Linearised design variance of the Hájek attention output when whole pages are drawn, over rounds.
+
+    The numpy reference of the page (cluster) form. ``weights`` (m, n): the attention weights the graph
+    computed over the kept cells (bias included, summing to 1 per row); ``values`` (n, d); ``o_hat`` (m, d)
+    the outputs. With z_i = p_i (v_i − ô) (the linearised residual, already divided by the cell's cumulative
+    π through the bias) and the rounds of ``stages``:
+
+        V̂ = Σ_r Σ_{clusters c of stage r} (Π_{r'<r} π_{r'}(c)) (1 − π_r(c)) ‖Σ_{i∈c} z_i‖².
+
+    This is the multi-stage Poisson variance estimator (each round samples the survivors of the previous
+    one): a page that stays whole contributes (1 − Π_r π_r) ‖Σ z‖², the one-round cluster form with the
+    cumulative π; a page later split into smaller units adds the new units' own terms. Protected and
+    top-slice units (π = 1) add nothing (take-all strata). With one round and single-cell units it is the
+    token form Σ (1 − π_i) ‖z_i‖²."""
+    p = np.atleast_2d(np.asarray(weights, dtype=np.float64))
+    v = np.asarray(values, dtype=np.float64)
+    o = np.atleast_2d(np.asarray(o_hat, dtype=np.float64))
+    m, n = p.shape
+    if v.shape[0] != n or o.shape != (m, v.shape[1]):
+        raise DesignError(f"weights {p.shape}, values {v.shape} and o_hat {o.shape} do not fit")
+    cl, pis = np.asarray(stages.cluster), np.asarray(stages.pi, dtype=np.float64)
+    if cl.shape != pis.shape or (cl.size and cl.shape[1] != n):
+        raise DesignError(f"stages of shape {cl.shape} / {pis.shape} for {n} cells")
+    out = np.zeros(m)
+    if cl.size == 0:
+        return out
+    z = p[:, :, None] * (v[None, :, :] - o[:, None, :])  # (m, n, d)
+    # the last stage refines every earlier one: sum z over its clusters once, then coarser stages sum those
+    order = np.lexsort(cl[::-1])  # cells grouped by cluster at every stage (a no-op for cache order)
+    fine = cl[:, order]
+    change = np.zeros(n, dtype=bool)
+    change[0] = True
+    change[1:] = (fine[:, 1:] != fine[:, :-1]).any(axis=0)
+    bounds = np.flatnonzero(change)
+    sums_fine = np.add.reduceat(z[:, order], bounds, axis=1)  # (m, finest clusters, d)
+    carried = np.ones(n)  # Π_{r'<r} π_{r'} of each cell's cluster
+    for r in range(cl.shape[0]):
+        w = (carried * (1.0 - pis[r]))[order][bounds]  # one value per finest cluster (its cells share it)
+        if np.any(w > 0):
+            ids = fine[r, bounds]
+            starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+            sums = np.add.reduceat(sums_fine, starts, axis=1)
+            out += np.einsum("c,mcd->m", w[starts], sums * sums)
+        carried = carried * pis[r]
+    return out

@@ -26,7 +26,7 @@ def test_coverage_cells_from_a_real_full_cache_run(small_model: Path, tmp_path: 
     settings = batch.Settings(out=tmp_path / "out", policies=["poisson", "poisson@page_size=1"], budgets=["25%"],
                               model=str(small_model), threads=1, max_tokens=4, progress=False)
     cfg = Config(model=str(small_model), threads=1, evict_from=0)
-    result = capture.run_coverage([script.load(path)], settings, cfg, draws=2)
+    result = capture.run_coverage_draws([script.load(path)], settings, cfg, draws=2)
     # 30 layers × 9 heads × 2 draws for each of the two probes (the first one independent: rewound after)
     assert result["forms"]["f_cluster"]["n_cells"] == 2 * 30 * 9 * 2
     assert set(result["by_design"]) == {"poisson 25%", "poisson@page_size=1 25%"}

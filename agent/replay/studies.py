@@ -402,7 +402,12 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
     if not matches:
         raise ValueError(f"no calibration of {statistic} ({protocol}) in this study")
     best = max(matches, key=lambda c: len(c["budgets"]))
-    return {"statistic": statistic, "tau": best["tau"], "rule": rule, "filler_target": best["filler_target"],
+    from agent import calibration  # noqa: PLC0415
+
+    # the multiplier the replayed certificates carried (the runs record k·sqrt(V̂)/‖ô‖): τ is rescaled from it
+    scale = calibration.certificate_multiplier(best["budgets"][0]) if len(best["budgets"]) == 1 else None
+    return {"statistic": statistic, "tau": best["tau"], "certificate_multiplier": scale, "rule": rule,
+            "filler_target": best["filler_target"],
             # the replays' eviction timing (results without it predate the setting: "question")
             "evict_at": result["meta"].get("design", {}).get("evict_at", "question"),
             "probe_target": best.get("probe_target"),
@@ -524,6 +529,24 @@ def render(result: dict[str, Any]) -> str:
                              f"| {_f(c['tau'], 4)} "
                              f"| {_f(ins['recall'])} | {_f(ins['probe_gate_rate'])} | {_f(ins['filler_gate_rate'])} "
                              f"| {ho_text} |")
+    elif study == "coverage" and "rows" in result:
+        lines += [f"Certificate shown by the gate and the TUI: {result['certificate']}.", "",
+                  f"Headline ({result['design']}, {result['protocol']}): coverage at nominal "
+                  f"{result['nominal']:.0%} {_f(result['coverage'], 3)} over {result['n_cells']} cells "
+                  f"(question row × layer × head), Spearman(certificate, error) {_f(result['spearman'])}, "
+                  f"k = {_f(result['multiplier'], 3)}.", "",
+                  "| design | protocol | turns (uncertified) | form | cells | coverage | Spearman "
+                  "| median error / certificate |", "|---|---|---|---|---|---|---|---|"]
+        for r in result["rows"]:
+            for form, v in r["forms"].items():
+                lines.append(f"| {r['design']} | {r['protocol']} | {r['turns']} ({r['uncertified_turns']}) | {form} "
+                             f"| {v['n_cells']} | {v['coverage']:.3f} | {_f(v['spearman'])} "
+                             f"| {_f(v['median_ratio_error_to_certificate'])} |")
+        lines += ["", "Per script (shipped form):", "", "| design | protocol | script | cells | coverage |",
+                  "|---|---|---|---|---|"]
+        for r in result["rows"]:
+            for name, v in r["by_script"].items():
+                lines.append(f"| {r['design']} | {r['protocol']} | {name} | {v['n_cells']} | {v['coverage']:.3f} |")
     elif study == "coverage":
         c = result["coverage"]
         lines += [f"Protocol: {result.get('protocol')}; {result.get('draws')} draws of the design per probe.", "",
