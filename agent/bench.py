@@ -176,7 +176,7 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
     from agent.session import ChatSession  # noqa: PLC0415
     from memory_store.store import Store  # noqa: PLC0415
 
-    cfg = Config(model=model_name, n_ctx=history + 1024, policy="poisson", budget="10%", max_tokens=48,
+    cfg = Config(model=model_name, n_ctx=history + 1024, policy="poisson", budget="10%", max_tokens=48, evict_from=0,
                  gate="off", threads=threads, evict_at=evict_at, sketch_layers=sketch_layers, sketch_bits=sketch_bits)
     eng = Engine(EngineSettings(model_path=path, n_ctx=cfg.n_ctx, n_batch=512, threads=threads))
     overhead_phases = ("evict", "certificate", "store")
@@ -597,8 +597,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true",
                    help="4k history, 1k-token turn, lengths to 4k: a few minutes")
     p.add_argument("--json", action="store_true", help="end with one JSON object")
-    p.add_argument("--only", choices=("all", "decode", "turn"), default="all",
-                   help="decode: the long-history decode and certificate figures; turn: the session-turn overheads")
     p.add_argument("--sketch-layers", dest="sketch_layers", default=Config().sketch_layers or SKETCH_LAYERS,
                    help="the session turns keep an evicted-key sketch of these layers and time it (\"\": none; "
                         f"default: the config's, else {SKETCH_LAYERS})")
