@@ -439,9 +439,16 @@ def turn_cells(ev: dict[int, LayerCapture], full: dict[int, LayerCapture], rows:
     cols: dict[str, list[np.ndarray]] = {f: [] for f in CELL_FIELDS}
     checks = {"out_rel": 0.0, "full_out_rel": 0.0, "token_np_vs_graph_rel": 0.0, "mask_mismatch": 0.0}
     rels: list[np.ndarray] = []
+    # a sliding-window layer (Gemma 3) reads its own, smaller cache, whose cells are not the live positions in
+    # order: only the layers of the full-width cache are measured
+    width = max((c.p.shape[-1] for c in ev.values() if c.p is not None), default=0)
+    checks["layers_skipped"] = 0.0
     for il in sorted(ev):
         e, f = ev[il], full.get(il)
         if f is None or e.p is None or f.mask is None or e.out is None or f.out is None:
+            continue
+        if e.p.shape[-1] != width or e.v.shape[1] < n:
+            checks["layers_skipped"] += 1
             continue
         n_head, n_kv_head = e.q.shape[0], e.k.shape[0]
         group = n_head // n_kv_head
@@ -777,7 +784,7 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
                      "forms": coverage_forms(sub, k), "by_script": by_script,
                      "checks": {c: max((t[c] for t in mine), default=None)
                                 for c in ("out_rel", "full_out_rel", "token_np_vs_graph_rel", "token_np_vs_graph_rel_median",
-                                          "mask_mismatch", "rounds_logpi_gap")}})
+                                          "mask_mismatch", "rounds_logpi_gap", "layers_skipped")}})
     head = next((r for r in rows if r["forms"]), None)
     shipped = head["forms"]["shipped"] if head else {}
     return {"study": "coverage", "meta": doc["meta"], "nominal": calibration.NOMINAL,
