@@ -42,7 +42,7 @@ def test_numpy_reference_equals_the_graph_on_real_tensors(small_model: Path, tmp
                               protocols=("multi-round", "one-shot"), model=str(small_model), threads=1,
                               max_tokens=4, progress=False)
     result = capture.run_coverage([script.load(_script(tmp_path))], settings, Config(model=str(small_model),
-                                                                                      threads=1))
+                                                                                      threads=1, evict_from=0))
     assert {r["protocol"] for r in result["rows"]} == {"multi-round", "one-shot"}
     assert result["n_cells"] > 0 and 0.0 <= result["coverage"] <= 1.0 and result["protocol"] in ("multi-round", "one-shot")
     turns = json.loads((tmp_path / "out" / "coverage-turns.json").read_text())
