@@ -224,8 +224,13 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
         steady = [timed(q) for q in ("And in three words?", "Which names came up most?",
                                      "Was anything said about travel?", "Anything about work?")]
         if gated:
-            # The default gate on a question about the evicted fact: a targeted re-read when the sketch names it.
-            session.reconfigure(gate="auto", gate_stat="auto")
+            # A question about the evicted fact, gated on sketch.max just under the value it reads (measured on a
+            # rolled-back copy of the turn first), so the gate fires on the message it points at most: the cost of a
+            # targeted re-read, whether or not the calibrated τ would have fired here.
+            session.reconfigure(gate="auto", gate_stat="sketch.max")
+            seen = drive.independent(session, PROBE).certificate_detail.get("sketch.max")
+            if seen:
+                session.reconfigure(gate=f"{0.999 * float(seen):.6g}")
             targeted: tuple[ev.TurnResult, float] | None = timed(PROBE)
             # τ = 0 on the certificate forces the re-prefill of the whole history from the log, and keeps its copy
             session.reconfigure(gate="0", gate_stat="question.max", reread_copy=True)
@@ -520,7 +525,7 @@ def _turn_mode_lines(out: dict[str, Any]) -> list[str]:
     ]
     if "targeted_turn_ms" in out:
         lines.append(f"steady-state turn {f('steady_turn_ms', '{:.0f}')} ms vs a question about an evicted fact "
-                     f"(default gate) {f('targeted_turn_ms', '{:.0f}')} ms = ×"
+                     f"(sketch gate at its own value) {f('targeted_turn_ms', '{:.0f}')} ms = ×"
                      f"{out['targeted_turn_ms'] / out['steady_turn_ms']:.2f}: {out.get('targeted_path')} re-read of "
                      f"{out.get('targeted_reread_messages')} messages, {out.get('targeted_reprefill_tokens')} tokens "
                      f"in {f('targeted_reprefill_ms', '{:.0f}')} ms; recalled: {out.get('targeted_recalled')}")
