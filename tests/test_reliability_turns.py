@@ -7,6 +7,7 @@ the log and answers one message.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -45,6 +46,9 @@ def test_reopened_conversation_continues_its_eviction_rounds() -> None:
 
 
 def test_refused_message_is_marked_and_never_reread() -> None:
+    # τ 0 on the question's certificate: the gate fires on every turn, so the next turn re-reads the history
+    # (the default sketch statistic needs two earlier turns of baselines before it reads anything)
+    Path(os.environ["CERTCHAT_CONFIG"]).write_text('gate_stat = "question.max"\n', encoding="utf-8")
     first = _turn("--new", "Remember: the lighthouse keeper is called Orla.")
     cid = str(first["conversation_id"])
     huge = "lighthouse " * 700  # more tokens than --n-ctx 512 leaves beside the answer
