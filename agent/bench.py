@@ -38,8 +38,8 @@ from agent.config import EVICT_AT, Config
 from agent.engine import Engine, EngineSettings
 from native import llama, poisson, sketch
 
-SKETCH_LAYERS = "11,13,14,15,16,20,21,22,23"
-"""The sketch's layers when the config has none: the calibration runs' set for qwen (docs/results/NOTES.md)."""
+SKETCH_LAYERS = "3,11"
+"""The sketch's layers when the config has none: the calibrated set for qwen (agent/gate_calibration.json)."""
 
 
 def _history_tokens(model: llama.Model, n: int) -> list[int]:

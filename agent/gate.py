@@ -307,10 +307,14 @@ class Gate:
         """Phase 1 of the two-phase design: the question's attention on every earlier message, the evicted part
         estimated from the sketch, and how far it exceeds what earlier questions paid the message.
 
-        In each sketch layer, a message's share is (kept + evicted) / (1 + Σ evicted): the kept part is the
-        question's attention on the message's live cells as a share of its attention on the cache (the importance
-        readout), the evicted part the sketch's estimate of its evicted cells' weights on the same scale (the
-        kept softmax sums to 1). A message's anomaly is the largest ratio, over the sketch layers, of this share
+        In each sketch layer, a message's share is a census of the question's attention over every cell the
+        history had, each counted once: the live cells' weights from the importance readout with their −log π
+        biases taken back out (× π: the bias lets a sampled cell stand for 1/π cells, which the sketch already
+        counts), plus the sketch's estimate for its evicted cells, on the same scale (the kept softmax), over the
+        census of all messages. Read that way a message's share does not depend on how its cells are split
+        between the sample and the sketch, so it keeps its scale when a re-read brings cells back and a later
+        round samples them anew (with the biases left in, its few survivors weighed 1/π each and read as
+        anomalous on turn after turn: docs/results/NOTES.md). A message's anomaly is the largest ratio, over the sketch layers, of this share
         to its median over the earlier turns (at least two; the median floored at ``SHARE_FLOOR``); ``sketch.max``
         is the largest anomaly over the messages more than half evicted — the ones the certificate of the kept
         sample cannot speak for. The turn's detail records, per message with evicted cells, ``share`` and
@@ -322,6 +326,7 @@ class Gate:
         layers = score.layers
         segs = np.asarray(engine.cache.segments, dtype=np.int64)
         cache_pos = np.asarray(engine.cache.positions, dtype=np.int64)
+        pi = np.exp(np.asarray(engine.cache.logpi, dtype=np.float64))
         stored = score.messages
         n_msg = int(max(segs.max(initial=0), stored.max(initial=0))) + 1
         kept = np.zeros((len(layers), n_msg))
@@ -329,10 +334,11 @@ class Gate:
             one = patched.Importance(reading.mass[layer:layer + 1], reading.cell_pos[layer:layer + 1])
             paid = one.per_position(cache_pos)
             if paid.sum() > 0:
-                kept[li] = np.bincount(segs, weights=paid, minlength=n_msg)[:n_msg] / paid.sum()
+                kept[li] = np.bincount(segs, weights=paid * pi, minlength=n_msg)[:n_msg] / paid.sum()
         gone = np.zeros((len(layers), n_msg))
         gone[:, ids] = mass / score.per_head.shape[1]  # the mean over heads, on the kept softmax's scale
-        share = (kept + gone) / (1.0 + gone.sum(axis=1, keepdims=True))
+        census = kept.sum(axis=1, keepdims=True) + gone.sum(axis=1, keepdims=True)
+        share = (kept + gone) / np.where(census > 0, census, 1.0)
         n_gone = np.bincount(stored, minlength=n_msg)[:n_msg]
         n_live = np.bincount(segs, minlength=n_msg)[:n_msg]
         anomalies: dict[int, float] = {}

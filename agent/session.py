@@ -516,19 +516,10 @@ class ChatSession:
         if plan.truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))
-        saved = self.checkpoint() if cancel is not None else None
-        try:
+        with self._undone_if_cancelled(cancel):
             self._read_history(plan, cancel=cancel, on_event=on_event, keep_copy=True)
-        except InterruptedError:
-            assert saved is not None
-            self.rollback(saved)
-            raise
-        self.gate.record_firing(decision)
-        turn.gate_fired = True
-        turn.reprefill_tokens += plan.prefill_tokens
-        turn.restored_tokens += plan.restored_tokens
-        turn.reread_path = "full"
-        turn.reread_messages = [m.id for m in plan.messages]
+        self._record_reread(turn, decision, "full", [m.id for m in plan.messages], plan.prefill_tokens,
+                            plan.restored_tokens)
 
     def _plan_targeted(self, decision: GateDecision) -> tuple[TargetedRead | None, str]:
         history = self.store.history(self.conversation_id)
@@ -545,9 +536,8 @@ class ChatSession:
         on_event(ev.GateFired("question", decision.value, decision.threshold, target.tokens,
                               points_at=self._points_at(), reread=words, messages=len(target.messages),
                               question_tokens=len(turn.tokens)))
-        saved = self.checkpoint() if cancel is not None else None
         total = target.tokens + len(turn.tokens)
-        try:
+        with self._undone_if_cancelled(cancel):
             self.engine.truncate(turn.first_pos)
             done = 0
             on_event(ev.Rereading(0, total))
@@ -566,15 +556,28 @@ class ChatSession:
             self.memory.set_readout(True)
             self.engine.feed(turn.tokens, segment=turn.user.index, cancel=cancel)
             on_event(ev.Rereading(total, total))
+        self._record_reread(turn, decision, "targeted", target.ids, total)
+
+    @contextmanager
+    def _undone_if_cancelled(self, cancel: threading.Event | None) -> Iterator[None]:
+        """A re-read that ``cancel`` stops part-way (``InterruptedError``) leaves the cache as it was before."""
+        saved = self.checkpoint() if cancel is not None else None
+        try:
+            yield
         except InterruptedError:
             assert saved is not None
             self.rollback(saved)
             raise
+
+    def _record_reread(self, turn: Turn, decision: GateDecision, path: str, message_ids: list[int], tokens: int,
+                       restored: int = 0) -> None:
+        """The turn re-read ``path`` ("full" or "targeted") on ``decision``: what it cost and what came back."""
         self.gate.record_firing(decision)
         turn.gate_fired = True
-        turn.reprefill_tokens += total
-        turn.reread_path = "targeted"
-        turn.reread_messages = target.ids
+        turn.reprefill_tokens += tokens
+        turn.restored_tokens += restored
+        turn.reread_path = path
+        turn.reread_messages = message_ids
 
     def _points_at(self) -> str:
         """The evicted message a sketch-statistic gate fired on, in words; "" for any other gate."""

@@ -1,6 +1,6 @@
 """Which layers should the evicted-key sketch keep? ``sketch.max`` recomputed offline for layer subsets.
 
-Input: a replay ``results.json`` recorded with a sketch of many layers (ideally all: ``--sketch-layers 0,…,23``).
+Input: a replay ``results.json`` (or ``results.json.gz``) recorded with a sketch of many layers (ideally all: ``--sketch-layers 0,…,23``).
 Each turn's ``certificate_detail`` holds, per earlier message with evicted cells, its share of the question's
 attention and its baseline (median over earlier questions) per sketch layer, and its evicted and live cell
 counts (``sketch.messages``, ``sketch.layers``; agent/gate.py ``Gate.read_sketch``). A message's share in one
@@ -35,10 +35,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.gate import SHARE_FLOOR  # noqa: E402
+from agent.replay import aggregate  # noqa: E402
 from agent.replay.studies import auc  # noqa: E402
 from native import sketch  # noqa: E402
 
-REFERENCE_SETS = {"DESIGN §8 / NOTES (11,13–16,20–23)": (11, 13, 14, 15, 16, 20, 21, 22, 23),
+REFERENCE_SETS = {"DESIGN §8 / sixth session (11,13–16,20–23)": (11, 13, 14, 15, 16, 20, 21, 22, 23),
                   "11–23": tuple(range(11, 24))}
 
 
@@ -60,9 +61,8 @@ class Turn:
 def load_turns(paths: Sequence[Path], policy: str, budget: str) -> tuple[list[int], list[Turn]]:
     layers: list[int] | None = None
     turns: list[Turn] = []
-    for path in paths:
-        doc = json.loads((path / "results.json" if path.is_dir() else path).read_text())
-        for run in doc["runs"]:
+    for path in aggregate.result_files(paths):
+        for run in aggregate.read_results(path)["runs"]:
             if run["policy"].split("@", 1)[0] != policy or run["budget"] != budget:
                 continue
             steps = run["steps"]

@@ -92,6 +92,10 @@ def test_every_turn_records_the_question_s_attention_on_evicted_messages(engine:
     anomalies = [max(sh / max(b, SHARE_FLOOR) for sh, b in zip(r["share"], r["base"]))
                  for r in records.values() if r["base"] is not None and r["evicted"] > r["live"]]
     assert max(anomalies, default=0.0) == pytest.approx(last["sketch.max"], rel=2e-3)
+    # the shares are a census of the whole history: live cells (biases taken out) and evicted ones, every
+    # message counted once, sum to 1 in each layer
+    total = np.sum(np.stack(list(s.gate.turn.shares.values())), axis=0)
+    np.testing.assert_allclose(total, 1.0, rtol=1e-6)
 
 
 def test_the_sketch_needs_a_sampled_design_and_valid_layers(engine: Engine, tmp_path: Path) -> None:

@@ -86,6 +86,22 @@ def test_merge_deduplicates_and_refuses_mixed_models(tmp_path: Path) -> None:
         aggregate.merge([aggregate.read_results(f) for f in aggregate.result_files([tmp_path / "s1", tmp_path / "s3"])])
 
 
+def test_a_gzip_compressed_results_file_reads_as_the_plain_one(tmp_path: Path) -> None:
+    import gzip
+    import shutil
+
+    aggregate.write_results(tmp_path / "plain" / "results.json", {"model": "m"}, _runs())
+    (tmp_path / "packed").mkdir()
+    with open(tmp_path / "plain" / "results.json", "rb") as src, gzip.open(tmp_path / "packed" / "results.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    [packed] = aggregate.result_files([tmp_path / "packed"])
+    assert packed.name == "results.json.gz"
+    assert aggregate.read_results(packed) == aggregate.read_results(tmp_path / "plain" / "results.json")
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(ResultsError, match="not a readable results file"):
+        aggregate.read_results(tmp_path / "bad.json.gz")
+
+
 def test_results_files_are_checked(tmp_path: Path) -> None:
     (tmp_path / "results.json").write_text('{"runs": []}')
     with pytest.raises(ResultsError, match="not a certchat replay results file"):

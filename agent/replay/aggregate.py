@@ -8,6 +8,7 @@ by job key, so a run present in two shards counts once.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections import defaultdict
@@ -180,9 +181,15 @@ class ResultsError(ValueError):
 
 
 def read_results(path: Path) -> dict[str, Any]:
+    """A results file, plain or gzip-compressed (``results.json.gz``: how the larger recordings are kept in
+    docs/results/data)."""
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
+        if Path(path).suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as fh:
+                doc = json.load(fh)
+        else:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ResultsError(f"{path}: not a readable results file ({err})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ResultsError(f"{path}: not a certchat replay results file (no \"format\": \"{FORMAT}\")")
@@ -192,18 +199,18 @@ def read_results(path: Path) -> dict[str, Any]:
 
 
 def result_files(paths: Iterable[Path]) -> list[Path]:
-    """Results files named directly or found in the given folders (results*.json)."""
+    """Results files named directly or found in the given folders (results*.json, results*.json.gz)."""
     found: list[Path] = []
     for p in paths:
         p = Path(p)
         if p.is_dir():
-            found.extend(sorted(p.glob("results*.json")))
+            found.extend(sorted([*p.glob("results*.json"), *p.glob("results*.json.gz")]))
         elif p.is_file():
             found.append(p)
         else:
             raise ResultsError(f"{p}: no such file or folder")
     if not found:
-        raise ResultsError("no results*.json files in " + ", ".join(str(p) for p in paths))
+        raise ResultsError("no results*.json(.gz) files in " + ", ".join(str(p) for p in paths))
     return found
 
 
