@@ -443,9 +443,10 @@ class Gate:
             if not _live_tokens_match(engine, index, span[0], message.tokens):
                 return None, f"the cache and the log disagree on message {index}"
             runs = engine.evicted_runs(index)
-            if sum(p1 - p0 for p0, p1 in runs) > room:
+            need = sum(p1 - p0 for p0, p1 in runs)
+            if need > room:
                 break
-            room -= sum(p1 - p0 for p0, p1 in runs)
+            room -= need
             covered += self.turn.excess.get(index, 0.0)
             plan.append((message, span[0], runs))
         if not plan or (implicated > 0 and covered < COVER * implicated):

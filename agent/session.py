@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -96,6 +96,8 @@ class Turn:
     """How the gate's re-read ran: "targeted" (the implicated messages), "full" (the whole history) or ""."""
     reread_messages: list[int] = field(default_factory=list)
     """Ids of the logged messages the re-read brought back (restored from a copy or prefilled)."""
+    reread_indices: tuple[int, ...] = ()
+    """A targeted re-read: the indices of the messages it brought back (the memory panel marks their turns)."""
     generation: Generation | None = None
     answer_id: int | None = None
 
@@ -261,8 +263,7 @@ class ChatSession:
         )
         with clock("store"):
             self._record_turn(result, turn.answer_id, refused)
-        reread = tuple(self._index_of(i) for i in turn.reread_messages) if turn.reread_path == "targeted" else ()
-        on_event(ev.TurnFinished(result, self.memory_view(reread)))
+        on_event(ev.TurnFinished(result, self.memory_view(turn.reread_indices)))
         if refused is not None:
             raise refused
         return result
@@ -556,7 +557,7 @@ class ChatSession:
             self.memory.set_readout(True)
             self.engine.feed(turn.tokens, segment=turn.user.index, cancel=cancel)
             on_event(ev.Rereading(total, total))
-        self._record_reread(turn, decision, "targeted", target.ids, total)
+        self._record_reread(turn, decision, "targeted", target.ids, total, indices=target.indices)
 
     @contextmanager
     def _undone_if_cancelled(self, cancel: threading.Event | None) -> Iterator[None]:
@@ -570,14 +571,16 @@ class ChatSession:
             raise
 
     def _record_reread(self, turn: Turn, decision: GateDecision, path: str, message_ids: list[int], tokens: int,
-                       restored: int = 0) -> None:
-        """The turn re-read ``path`` ("full" or "targeted") on ``decision``: what it cost and what came back."""
+                       restored: int = 0, indices: Sequence[int] = ()) -> None:
+        """The turn re-read ``path`` ("full" or "targeted") on ``decision``: what it cost and what came back
+        (``indices``: a targeted re-read's messages, for the memory panel)."""
         self.gate.record_firing(decision)
         turn.gate_fired = True
         turn.reprefill_tokens += tokens
         turn.restored_tokens += restored
         turn.reread_path = path
         turn.reread_messages = message_ids
+        turn.reread_indices = tuple(indices)
 
     def _points_at(self) -> str:
         """The evicted message a sketch-statistic gate fired on, in words; "" for any other gate."""
@@ -706,9 +709,6 @@ class ChatSession:
                    **({"eviction_error": str(eviction_error)} if eviction_error is not None else {}),
                    "timings_ms": {k: round(v, 3) for k, v in result.timings.items()}},
         ))
-
-    def _index_of(self, message_id: int) -> int:
-        return self.store.get_message(message_id).index
 
     def memory_view(self, reread: tuple[int, ...] = ()) -> ev.MemoryView:
         retained = self.memory.retained_by_message({s.index: s.role for s in self._segments},
