@@ -88,6 +88,33 @@ class _Recorder:
         return True
 
 
+def _load_cpu_model(lc: Any, model_path: Path) -> Any:
+    """The model's weights on the CPU, through llama.cpp's C API (the study's own contexts, not an Engine)."""
+    params = lc.llama_model_default_params()
+    params.n_gpu_layers = 0
+    model = lc.llama_model_load_from_file(str(model_path).encode(), params)
+    if not model:
+        raise RuntimeError(f"could not load {model_path}")
+    return model
+
+
+def _capture_context(lc: Any, model: Any, n_ctx: int, threads: int, rec: "_Recorder", what: str) -> Any:
+    """A context on ``model`` whose every graph node passes ``rec``'s callback: F16 cache, 512-token batches."""
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = cp.n_ubatch = 512
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.flash_attn_type = 0  # the kq / kqv nodes exist only without flash attention
+    cp.type_k = cp.type_v = GGML_TYPE_F16
+    cp.no_perf = True
+    cp.cb_eval = rec.callback
+    cp.cb_eval_user_data = None
+    ctx = lc.llama_init_from_model(model, cp)
+    if not ctx:
+        raise RuntimeError(f"could not create the {what} context")
+    return ctx
+
+
 class FullCacheProbe:
     """A raw full-cache context over a model that captures Q, K, V at chosen ubatches."""
 
@@ -98,27 +125,10 @@ class FullCacheProbe:
         self.lc = lc = runtime.llama_cpp()
         lc.llama_backend_init()
         self.owns_model = model is None
-        if model is None:
-            params = lc.llama_model_default_params()
-            params.n_gpu_layers = 0
-            model = lc.llama_model_load_from_file(str(model_path).encode(), params)
-        self.model = model
-        if not self.model:
-            raise RuntimeError(f"could not load {model_path}")
+        self.model = _load_cpu_model(lc, model_path) if model is None else model
         self.n_layer = lc.llama_model_n_layer(self.model)
         self.rec = _Recorder(self.n_layer)
-        cp = lc.llama_context_default_params()
-        cp.n_ctx = n_ctx
-        cp.n_batch = cp.n_ubatch = 512
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.flash_attn_type = 0  # the kq / kqv nodes exist only without flash attention
-        cp.type_k = cp.type_v = GGML_TYPE_F16
-        cp.no_perf = True
-        cp.cb_eval = self.rec.callback
-        cp.cb_eval_user_data = None
-        self.ctx = lc.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            raise RuntimeError("could not create the capture context")
+        self.ctx = _capture_context(lc, self.model, n_ctx, threads, self.rec, "capture")
         self.window = window
         self.next_pos = 0
         self.head_dim = lc.llama_model_n_embd(self.model) // lc.llama_model_n_head(self.model)
@@ -348,18 +358,7 @@ class EvictedReplica:
 
         self.lc = lc = runtime.llama_cpp()
         self.rec = _Recorder(0)
-        cp = lc.llama_context_default_params()
-        cp.n_ctx = n_ctx
-        cp.n_batch = cp.n_ubatch = 512
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.flash_attn_type = 0
-        cp.type_k = cp.type_v = GGML_TYPE_F16
-        cp.no_perf = True
-        cp.cb_eval = self.rec.callback
-        cp.cb_eval_user_data = None
-        self.ctx = lc.llama_init_from_model(model, cp)
-        if not self.ctx:
-            raise RuntimeError("could not create the replica context")
+        self.ctx = _capture_context(lc, model, n_ctx, threads, self.rec, "replica")
 
     def capture(self, state: bytes, positions: np.ndarray, bias: np.ndarray, tokens: list[int],
                 rows: int) -> dict[int, LayerCapture]:
@@ -543,9 +542,10 @@ class ProductCoverage:
         self.model_path = model_path
         self.threads = threads
         self.every_turn = every_turn
-        self.fallback_template = False
         """Every question on an evicted cache (fillers too), not only the probes' (a live chat answers both;
         the numpy side costs seconds per question on two shared cores)."""
+        self.fallback_template = False
+        """The GGUF had no chat template and the study gave it Gemma's turn markup."""
         self.seen = _Observed()
         self._undo: list[tuple[Any, str, Any]] = []
         self._model: Any = None
@@ -657,9 +657,7 @@ class ProductCoverage:
                 if probe is not None:
                     probe.close()
             if self._model is None:
-                params = lc.llama_model_default_params()
-                params.n_gpu_layers = 0
-                self._model = lc.llama_model_load_from_file(str(self.model_path).encode(), params)
+                self._model = _load_cpu_model(lc, self.model_path)
             self._replica = EvictedReplica(self._model, n_ctx, self.threads)
             self._full = FullCacheProbe(self.model_path, n_ctx, self.threads, window=8, model=self._model)
             self._full_fed, self._n_ctx = [], n_ctx
