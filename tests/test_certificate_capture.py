@@ -19,21 +19,11 @@ import pytest
 
 from agent.config import Config
 from agent.replay import batch, capture, script
+from script_support import code_number_script
 
 
 def _script(tmp_path: Path) -> Path:
-    lines = [{"role": "system", "content": "Be brief."}]
-    for i in range(6):
-        lines += [{"role": "user", "content": f"Note {i}: my code number {i} is {4100 + 37 * i}, remember it "
-                                              "please, it matters a lot to me and my team."},
-                  {"role": "assistant", "content": f"Noted: code {i} is {4100 + 37 * i}."}]
-    lines += [{"role": "user", "content": "What is code number 1?", "probe": {"expect": ["4137"], "fact_turn": 2},
-               "independent": True},
-              {"role": "user", "content": "And code number 2?", "probe": {"expect": ["4174"], "fact_turn": 3}},
-              {"role": "assistant", "content": "4174."}]
-    path = tmp_path / "cert.jsonl"
-    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n", encoding="utf-8")
-    return path
+    return code_number_script(tmp_path / "cert.jsonl", 6, aside=", it matters a lot to me and my team")
 
 
 @pytest.mark.slow

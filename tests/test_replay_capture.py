@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from agent.config import Config
 from agent.replay import batch, capture, script, studies
+from script_support import code_number_script
 
 
 @pytest.mark.slow
 def test_coverage_cells_from_a_real_full_cache_run(small_model: Path, tmp_path: Path) -> None:
-    lines = [{"role": "system", "content": "Be brief."}]
-    for i in range(3):
-        lines += [{"role": "user", "content": f"Note {i}: my code number {i} is {4100 + 37 * i}, remember it please."},
-                  {"role": "assistant", "content": f"Noted: code {i} is {4100 + 37 * i}."}]
-    lines += [{"role": "user", "content": "What is code number 1?", "probe": {"expect": ["4137"], "fact_turn": 2},
-               "independent": True},
-              {"role": "user", "content": "And code number 2?", "probe": {"expect": ["4174"], "fact_turn": 3}},
-              {"role": "assistant", "content": "4174."}]
-    path = tmp_path / "cov.jsonl"
-    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n", encoding="utf-8")
+    path = code_number_script(tmp_path / "cov.jsonl", 3)
     settings = batch.Settings(out=tmp_path / "out", policies=["poisson", "poisson@page_size=1"], budgets=["25%"],
                               model=str(small_model), threads=1, max_tokens=4, progress=False)
     cfg = Config(model=str(small_model), threads=1, evict_from=0)
