@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from native import llama, patched
-from native.sketch import EvictedKeySketch
+from native.sketch import EvictedKeySketch, SketchRows
 
 if TYPE_CHECKING:
     from agent.config import Config
@@ -119,6 +119,8 @@ class EngineSnapshot:
     sketch: EvictedKeySketch | None = None
     """The evicted cells' keys at that moment (a copy)."""
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+    held: SketchRows | None = None
+    """The sketch rows of re-inserted cells, kept for their next eviction (see ``Engine._held``)."""
 
 
 @dataclass
@@ -166,6 +168,11 @@ class Engine:
         """Phase 1 of the two-phase design: a quantised copy of every evicted cell's keys (``set_sketch``)."""
         self._sketch_spec: tuple[tuple[int, ...], int, int] = ((), 8, 0)
         """(layers, bits, query window) of the sketch; no layers: none."""
+        self._held: SketchRows | None = None
+        """The sketch rows of cells re-inserted at their old positions, as first evicted: when those cells are
+        evicted again these rows go back to the sketch, not their keys as re-decoded. A re-inserted cell is decoded
+        over the evicted cache, not over the context its message first had, and its keys can draw a later question's
+        attention out of all proportion (docs/results/NOTES.md)."""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.biases_lifted = False
         """The cells' −log π biases are lifted for this turn (:meth:`lift_biases`)."""
@@ -189,7 +196,7 @@ class Engine:
         return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
                               list(self.cache.segments), list(self.cache.logpi), self.next_pos,
                               copy.deepcopy(self.sketch) if self.sketch is not None and self.sketch.n_tokens else None,
-                              dict(self.cache.spans))
+                              dict(self.cache.spans), self._held)
 
     def restore(self, snap: "EngineSnapshot") -> None:
         """Put the cache back as it was, biases included (state files carry none)."""
@@ -202,6 +209,7 @@ class Engine:
             self.sketch = copy.deepcopy(snap.sketch)
         elif self.sketch is not None:
             self.sketch.clear()
+        self._held = snap.held
 
     def evict(self, keep: np.ndarray, cum_logpi: np.ndarray | None = None) -> None:
         """Keep only the live cells where ``keep`` is True (mirror order) and compact the rest away; with
@@ -220,16 +228,25 @@ class Engine:
             raise ValueError("the newest cell cannot be evicted: the next batch continues from its position")
         positions = np.asarray(self.cache.positions, dtype=np.int64)
         gone = positions[~keep]
+        gone_segments = np.asarray(self.cache.segments, dtype=np.int32)[~keep]
         layers, bits, _ = self._sketch_spec
-        keys = self.ctx.keys(self.SEQ, layers, gone) if layers and len(gone) else None
+        held = rest = None
+        if self._held is not None and len(gone):
+            held, rest = self._held.split(gone)
+        fresh = ~np.isin(gone, held.positions) if held is not None else np.ones(len(gone), dtype=bool)
+        keys = self.ctx.keys(self.SEQ, layers, gone[fresh]) if layers and fresh.any() else None
         for p0, p1 in _runs(gone):
             if not self.ctx.seq_rm(self.SEQ, p0, p1):
                 raise llama.LlamaError(f"could not evict positions [{p0}, {p1})")
+        if rest is not None:
+            self._held = rest
         if keys is not None:
             if self.sketch is None:
                 self.sketch = EvictedKeySketch(layers, self.info.n_head_kv, keys.shape[2] // self.info.n_head_kv, bits,
                                                threads=self.settings.threads)
-            self.sketch.append(gone, np.asarray(self.cache.segments, dtype=np.int32)[~keep], keys)
+            self.sketch.append(gone[fresh], gone_segments[fresh], keys)
+        if held is not None and self.sketch is not None:
+            self.sketch.put(held)
         self.cache.keep(keep)
         if cum_logpi is not None:
             self.cache.logpi = [float(x) for x in cum_logpi[keep]]
@@ -277,6 +294,7 @@ class Engine:
         if bad:
             raise ValueError(f"sketch_layers: the model has layers 0–{self.info.n_layer - 1}, not {bad}")
         self.sketch = None
+        self._held = None
         self._sketch_spec = (tuple(layers), bits, window)
         self.ctx.set_attn_queries(layers if layers and self.readout[0] else None, max(1, window))
 
@@ -312,12 +330,15 @@ class Engine:
         self.cache.cut(pos)
         self.next_pos = pos
         self._forget_in_sketch()
+        if self._held is not None:
+            self._held = self._held.split(self._held.positions[self._held.positions >= pos])[1]
 
     def reset(self) -> None:
         """Empty the KV cache (a new conversation, or a full re-prefill)."""
         self.ctx.clear()
         self.cache.clear()
         self.next_pos = 0
+        self._held = None
         if self.sketch is not None:
             self.sketch.clear()
 
@@ -374,7 +395,8 @@ class Engine:
                  progress: Callable[[int], None] | None = None) -> float:
         """Decode ``tokens`` back at their old positions [start, start + n), evicted positions below the
         sequence's end (patch 0005): each sees the cells before it, biases included, and every later position
-        sees it. They come back unbiased (π = 1) and leave the sketch. Returns milliseconds; ``cancel`` and
+        sees it. They come back unbiased (π = 1) and leave the sketch, which keeps their rows for their next
+        eviction (:attr:`_held`). Returns milliseconds; ``cancel`` and
         ``progress`` as for :meth:`feed`."""
         n = len(tokens)
         if n == 0:
@@ -402,7 +424,10 @@ class Engine:
                     progress(offset + len(chunk))
         finally:
             self.ctx.set_reinsert(False)
-            self._forget_in_sketch()
+            if self.sketch is not None and self.sketch.n_tokens:
+                live = np.asarray(self.cache.positions, dtype=np.int64)
+                back = live[(live >= start) & (live < start + n)]
+                self._held = SketchRows.join(self._held, self.sketch.take(back))
         return (time.perf_counter() - begin) * 1000.0
 
     # -- decode ----------------------------------------------------------------------------

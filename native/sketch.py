@@ -288,6 +288,38 @@ class SketchTiming:
     score_calls: int = 0
 
 
+@dataclass(frozen=True)
+class SketchRows:
+    """Some positions' rows exactly as a sketch stores them (codes, scales, position, message), taken out with
+    :meth:`EvictedKeySketch.take` to be put back unchanged with :meth:`EvictedKeySketch.put`."""
+
+    codes: NDArray[np.uint8]
+    """[n_layers, n, code bytes]"""
+    scales: NDArray[np.uint16]
+    """[n_layers, n, n_kv_head]"""
+    positions: NDArray[np.int32]
+    messages: NDArray[np.int32]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.positions)
+
+    def split(self, positions: ArrayLike) -> tuple["SketchRows", "SketchRows"]:
+        """(the rows of ``positions``, the rest)."""
+        hit = np.isin(self.positions, np.asarray(positions, dtype=np.int32))
+        return self._subset(hit), self._subset(~hit)
+
+    def _subset(self, mask: NDArray[np.bool_]) -> "SketchRows":
+        return SketchRows(self.codes[:, mask], self.scales[:, mask], self.positions[mask], self.messages[mask])
+
+    @staticmethod
+    def join(a: "SketchRows | None", b: "SketchRows") -> "SketchRows":
+        if a is None or not a.n_tokens:
+            return b
+        return SketchRows(np.concatenate([a.codes, b.codes], axis=1), np.concatenate([a.scales, b.scales], axis=1),
+                          np.concatenate([a.positions, b.positions]), np.concatenate([a.messages, b.messages]))
+
+
 @dataclass
 class EvictedKeySketch:
     """Quantised K rows of one conversation's evicted tokens for ``layers``; append per eviction round."""
@@ -426,6 +458,37 @@ class EvictedKeySketch:
         self._positions[:m] = self._positions[:n][keep]
         self._messages[:m] = self._messages[:n][keep]
         self._n = m
+
+    def take(self, positions: ArrayLike) -> SketchRows:
+        """Forget these positions and return their rows as stored, for :meth:`put` to bring back unchanged."""
+        n = self._n
+        if self._codes is None or self._scales is None:
+            cb = code_bytes(self.n_kv_head, self.head_dim, self.bits)
+            return SketchRows(np.empty((len(self.layers), 0, cb), np.uint8),
+                              np.empty((len(self.layers), 0, self.n_kv_head), np.uint16),
+                              np.empty(0, np.int32), np.empty(0, np.int32))
+        hit = np.isin(self._positions[:n], np.asarray(positions, dtype=np.int32))
+        rows = SketchRows(self._codes[:, :n][:, hit].copy(), self._scales[:, :n][:, hit].copy(),
+                          self._positions[:n][hit].copy(), self._messages[:n][hit].copy())
+        self.drop(rows.positions)
+        return rows
+
+    def put(self, rows: SketchRows) -> None:
+        """Add rows :meth:`take` returned (quantised on this sketch's channel scales, which stay until ``clear``)."""
+        m = rows.n_tokens
+        if not m:
+            return
+        cb = code_bytes(self.n_kv_head, self.head_dim, self.bits)
+        if rows.codes.shape != (len(self.layers), m, cb) or rows.scales.shape != (len(self.layers), m, self.n_kv_head):
+            raise SketchError(f"put: rows of shape {rows.codes.shape} / {rows.scales.shape} are not this sketch's")
+        n0 = self._n
+        self._reserve(n0 + m)
+        assert self._codes is not None and self._scales is not None
+        self._codes[:, n0:n0 + m] = rows.codes
+        self._scales[:, n0:n0 + m] = rows.scales
+        self._positions[n0:n0 + m] = rows.positions
+        self._messages[n0:n0 + m] = rows.messages
+        self._n = n0 + m
 
     def keys(self) -> NDArray[np.float32]:
         """The stored rows as scoring sees them, [n_layers, n, width] F32."""

@@ -6,6 +6,7 @@ re-insert; refusals.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +108,13 @@ def test_reinserted_cells_hold_what_a_prefill_over_the_same_cells_computes(engin
     np.testing.assert_allclose(la, lb, atol=0.02 * float(np.abs(lb).max()))
 
 
+def _sketch_rows(engine: Engine) -> dict[int, bytes]:
+    """Position → its stored sketch row (codes and scales of every layer), read from a copy."""
+    assert engine.sketch is not None
+    rows = copy.deepcopy(engine.sketch).take(engine.sketch.positions)
+    return {int(p): rows.codes[:, i].tobytes() + rows.scales[:, i].tobytes() for i, p in enumerate(rows.positions)}
+
+
 def test_mirror_spans_cells_and_sketch_stay_in_step(engines: tuple[Engine, Engine]) -> None:
     a, _ = engines
     a.reset()
@@ -119,6 +127,7 @@ def test_mirror_spans_cells_and_sketch_stay_in_step(engines: tuple[Engine, Engin
     spans = dict(a.cache.spans)
     assert spans == {i: (s, s + len(_tok(a, t))) for i, (s, t) in enumerate(zip(starts, texts))}
     rng = np.random.default_rng(1)
+    first_rows: dict[int, bytes] = {}
     for round_ in range(3):
         n = len(a.cache)
         keep = rng.uniform(size=n) < 0.4
@@ -128,6 +137,12 @@ def test_mirror_spans_cells_and_sketch_stay_in_step(engines: tuple[Engine, Engin
         _assert_in_step(a)
         gone = set(range(a.next_pos)) - set(a.cache.positions)
         assert set(a.sketch.positions.tolist()) == gone
+        # a cell's sketch row is its keys as first evicted: evicted again after a re-insertion (keys re-decoded
+        # over the evicted cache), the row it had comes back, not a new one
+        rows = _sketch_rows(a)
+        assert {p: rows[p] for p in first_rows if p in rows} == {p: r for p, r in first_rows.items() if p in rows}
+        assert round_ == 0 or any(p in first_rows for p in rows)
+        first_rows = {**rows, **first_rows}
         # put message 1 and 3 back, in pieces where parts of them survived
         for seg in (1, 3):
             first = a.cache.spans[seg][0]

@@ -132,6 +132,19 @@ def test_store_append_drop_clear_and_per_message() -> None:
     np.testing.assert_allclose(mass[:, 1], pp[:, 10:20].sum(axis=1), rtol=1e-6)
     np.testing.assert_allclose(sc.per_position(heads=[0, 7])[0], sc.per_head[0, [0, 7]].sum(axis=0), rtol=1e-6)
 
+    # rows taken out (cells back in the cache) come back exactly as stored, whatever was appended meanwhile
+    before = sk.score(queries).per_message()
+    rows = sk.take(np.arange(12, 18))
+    assert rows.n_tokens == 6 and sk.n_tokens == 24 and 12 not in sk.positions
+    sk.append(np.arange(70, 72), np.full(2, 5), 100.0 * rng.standard_normal((3, 2, 128)).astype(np.float32))
+    sk.drop(np.arange(70, 72))
+    sk.put(rows)
+    after = sk.score(queries).per_message()
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_allclose(after[1], before[1], rtol=1e-6)
+    with pytest.raises(sketch.SketchError, match="put"):
+        sketch.EvictedKeySketch(layers=(1,), n_kv_head=2, head_dim=64, bits=8).put(rows)
+
     sk.drop(np.arange(15, 25))
     assert sk.n_tokens == 20 and set(sk.score(queries).messages.tolist()) == {1, 2, 4}
     sk.clear()

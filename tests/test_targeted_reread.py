@@ -107,6 +107,12 @@ def test_a_probe_answered_after_a_targeted_reread_matches_the_full_cache(qwen: E
     assert pos.tolist() == qwen.cache.positions
     np.testing.assert_allclose(bias, -np.asarray(qwen.cache.logpi), atol=1e-6)
     assert not qwen.biases_lifted
+    # what the re-read put back is evicted again at the turn's end: the history before the question holds no
+    # cell it did not hold before the turn, and the sketch holds the re-read messages' evicted cells again
+    first = int(store.get_message(result.user_message_id).first_pos)
+    assert {p for p in qwen.cache.positions if p < first} <= set(before[0])
+    gone = set(range(first)) - set(before[0])
+    assert qwen.sketch is not None and gone <= {int(p) for p in qwen.sketch.positions}
     # positions, mirror and log agree after the turn-end eviction: every live cell holds the log's token
     by_index = {m.index: m for m in store.messages(s.conversation_id) if m.tokens is not None}
     for pos, tok, seg in zip(qwen.cache.positions, qwen.cache.tokens, qwen.cache.segments):
