@@ -89,6 +89,15 @@ def test_unreadable_files_are_one_line_errors(tmp_path: Path) -> None:
         script.load(bad)
 
 
+def test_a_locomo_file_given_as_a_script_says_to_pass_it_with_locomo(tmp_path: Path) -> None:
+    path = tmp_path / "30.json"
+    path.write_text(json.dumps({"conversation": {"speaker_a": "A", "speaker_b": "B"}, "qa": []}, indent=1))
+    with pytest.raises(ScriptError) as err:
+        script.load(path)
+    assert str(err.value) == (f"{path}: a LoCoMo conversation, not a replay script: pass it with --locomo {path} "
+                              "(one --locomo per file)")
+
+
 def test_a_line_separator_inside_content_is_not_a_line_break(tmp_path: Path) -> None:
     path = tmp_path / "u2028.jsonl"
     path.write_text(json.dumps({"role": "user", "content": "a\u2028b"}, ensure_ascii=False) + "\n", encoding="utf-8")

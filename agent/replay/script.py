@@ -171,8 +171,24 @@ def load(path: str | Path) -> Script:
     except OSError as err:
         raise ScriptError(f"{path}: cannot read ({err.strerror})") from None
     # split("\n"), not splitlines(): a U+2028 inside a JSON string is not a line break.
-    system, steps = parse(text.split("\n"), str(path))
+    try:
+        system, steps = parse(text.split("\n"), str(path))
+    except ScriptError:
+        if _is_locomo(text):
+            raise ScriptError(f"{path}: a LoCoMo conversation, not a replay script: pass it with --locomo {path} "
+                              "(one --locomo per file)") from None
+        raise
     return Script(name=path.stem, system=system, steps=tuple(steps), source=str(path))
+
+
+def _is_locomo(text: str) -> bool:
+    """Whether ``text`` is one JSON object shaped like a LoCoMo conversation file (a common slip: such files given
+    after a single ``--locomo`` are read as scripts)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and "conversation" in data and "qa" in data
 
 
 def dump(script: Script) -> str:
