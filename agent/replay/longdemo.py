@@ -139,7 +139,6 @@ def run(scripts: list[Script], settings: Settings, base: Config,
             record["turn_wall_s"] = [b - a for a, b in zip(marks, marks[1:])]
             record["rss_bytes"] = clock["rss"]
             record["rss_start_bytes"] = start_rss
-            record["question_fillers"] = list(script.meta.get("question_fillers", []))
             runs.append(record)
             col = _column([record])
             if settings.progress:

@@ -256,6 +256,9 @@ class Runner:
                                       None),
                "wall_s": wall, "steps": records}
         run["summary"] = summarize(run, script)
+        if script.meta.get("question_fillers"):
+            # a long-chat script's question-shaped fillers (turn numbers), for the studies and tables that split them
+            run["question_fillers"] = [int(t) for t in script.meta["question_fillers"]]
         return run
 
     # -- one step ----------------------------------------------------------------------
