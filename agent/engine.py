@@ -121,6 +121,8 @@ class EngineSnapshot:
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)
     held: SketchRows | None = None
     """The sketch rows of re-inserted cells, kept for their next eviction (see ``Engine._held``)."""
+    reinserted: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    """The live positions :meth:`Engine.reinsert` put back."""
 
 
 @dataclass
@@ -173,6 +175,8 @@ class Engine:
         evicted again these rows go back to the sketch, not their keys as re-decoded. A re-inserted cell is decoded
         over the evicted cache, not over the context its message first had, and its keys can draw a later question's
         attention out of all proportion (docs/results/NOTES.md)."""
+        self._reinserted = np.empty(0, np.int64)
+        """The live positions :meth:`reinsert` put back (sorted), for :meth:`evict_reinserted`."""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.biases_lifted = False
         """The cells' −log π biases are lifted for this turn (:meth:`lift_biases`)."""
@@ -196,7 +200,7 @@ class Engine:
         return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
                               list(self.cache.segments), list(self.cache.logpi), self.next_pos,
                               copy.deepcopy(self.sketch) if self.sketch is not None and self.sketch.n_tokens else None,
-                              dict(self.cache.spans), self._held)
+                              dict(self.cache.spans), self._held, self._reinserted)
 
     def restore(self, snap: "EngineSnapshot") -> None:
         """Put the cache back as it was, biases included (state files carry none)."""
@@ -210,6 +214,7 @@ class Engine:
         elif self.sketch is not None:
             self.sketch.clear()
         self._held = snap.held
+        self._reinserted = snap.reinserted
 
     def evict(self, keep: np.ndarray, cum_logpi: np.ndarray | None = None) -> None:
         """Keep only the live cells where ``keep`` is True (mirror order) and compact the rest away; with
@@ -240,6 +245,7 @@ class Engine:
                 raise llama.LlamaError(f"could not evict positions [{p0}, {p1})")
         if rest is not None:
             self._held = rest
+        self._reinserted = np.setdiff1d(self._reinserted, gone, assume_unique=True)
         if keys is not None:
             if self.sketch is None:
                 self.sketch = EvictedKeySketch(layers, self.info.n_head_kv, keys.shape[2] // self.info.n_head_kv, bits,
@@ -332,6 +338,7 @@ class Engine:
         self._forget_in_sketch()
         if self._held is not None:
             self._held = self._held.split(self._held.positions[self._held.positions >= pos])[1]
+        self._reinserted = self._reinserted[self._reinserted < pos]
 
     def reset(self) -> None:
         """Empty the KV cache (a new conversation, or a full re-prefill)."""
@@ -339,6 +346,7 @@ class Engine:
         self.cache.clear()
         self.next_pos = 0
         self._held = None
+        self._reinserted = np.empty(0, np.int64)
         if self.sketch is not None:
             self.sketch.clear()
 
@@ -424,11 +432,24 @@ class Engine:
                     progress(offset + len(chunk))
         finally:
             self.ctx.set_reinsert(False)
+            live = np.asarray(self.cache.positions, dtype=np.int64)
+            back = live[(live >= start) & (live < start + n)]
+            self._reinserted = np.union1d(self._reinserted, back)
             if self.sketch is not None and self.sketch.n_tokens:
-                live = np.asarray(self.cache.positions, dtype=np.int64)
-                back = live[(live >= start) & (live < start + n)]
                 self._held = SketchRows.join(self._held, self.sketch.take(back))
         return (time.perf_counter() - begin) * 1000.0
+
+    def evict_reinserted(self) -> None:
+        """Evict again every cell :meth:`reinsert` put back, their sketch rows returning as first evicted.
+
+        Re-inserted cells are decoded over the evicted cache, not over the context their message first had; kept
+        on, they drew later questions' attention out of all proportion (layer 11 of qwen paid a re-read message
+        10–200× its baseline) and fired the gate on most later turns of a long chat (docs/results/NOTES.md)."""
+        if not len(self._reinserted):
+            return
+        back = np.isin(np.asarray(self.cache.positions, dtype=np.int64), self._reinserted)
+        if back.any():
+            self.evict(~back)
 
     # -- decode ----------------------------------------------------------------------------
     def generate(

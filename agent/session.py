@@ -98,8 +98,6 @@ class Turn:
     """Ids of the logged messages the re-read brought back (restored from a copy or prefilled)."""
     reread_indices: tuple[int, ...] = ()
     """A targeted re-read: the indices of the messages it brought back (the memory panel marks their turns)."""
-    reinserted: list[tuple[int, int]] = field(default_factory=list)
-    """A targeted re-read: the [p0, p1) position runs it put back, which leave the cache again at the turn's end."""
     generation: Generation | None = None
     answer_id: int | None = None
 
@@ -270,29 +268,11 @@ class ChatSession:
             raise refused
         return result
 
-    def _drop_reinserted(self, turn: Turn) -> None:
-        """Evict again what a targeted re-read put back, so the cache leaves the turn as the design left it.
-
-        Re-inserted cells are decoded over the evicted cache, not over the context their message first had, and
-        kept on they drew the question's attention out of all proportion on turn after turn (layer 11 of qwen
-        paid a re-read message 10–200× its baseline while part of it stayed live), which fired the gate on most
-        later turns of a long chat (docs/results/NOTES.md). Gone again, the message is back in the sketch, and a
-        later question that needs it re-reads it."""
-        runs, turn.reinserted = turn.reinserted, []
-        if not runs or not len(self.engine.cache):
-            return
-        pos = np.asarray(self.engine.cache.positions, dtype=np.int64)
-        back = np.zeros(len(pos), dtype=bool)
-        for p0, p1 in runs:
-            back |= (pos >= p0) & (pos < p1)
-        if back.any():
-            self.engine.evict(~back)
-
     def evict_turn_end(self, turn: Turn, on_event: EventSink = _ignore) -> None:
         """The turn's end: what a targeted re-read put back leaves again; with ``evict_at = "turn-end"``, the
         cache comes back to its budget, keeping only the sinks and the recent window (as the next question will
         find it)."""
-        self._drop_reinserted(turn)
+        self.engine.evict_reinserted()
         if self.config.evict_at == "turn-end":
             self._evict(self.engine.next_pos, turn.user.id, turn.clock, on_event)
 
@@ -541,7 +521,6 @@ class ChatSession:
                                "recent messages that fit", "warning"))
         with self._undone_if_cancelled(cancel):
             self._read_history(plan, cancel=cancel, on_event=on_event, keep_copy=True)
-        turn.reinserted = []  # a fresh cache: whatever a targeted re-read put back is the log's now
         self._record_reread(turn, decision, "full", [m.id for m in plan.messages], plan.prefill_tokens,
                             plan.restored_tokens)
 
@@ -555,7 +534,7 @@ class ChatSession:
         """Take the question out, put the implicated messages' evicted tokens back at their old positions from
         the log's exact token ids, and prefill the question again on top, so its rows attend to them. The
         re-inserted cells are unbiased and stay for the turn; at its end they are evicted again
-        (:meth:`_drop_reinserted`)."""
+        (``Engine.evict_reinserted``)."""
         assert decision.value is not None and decision.threshold is not None
         words = ", ".join(self._message_words(i) for i in target.indices)
         on_event(ev.GateFired("question", decision.value, decision.threshold, target.tokens,
@@ -572,7 +551,6 @@ class ChatSession:
                     base = done
                     self.engine.reinsert(toks[p0 - first:p1 - first], p0, message.index, cancel=cancel,
                                          progress=lambda n, base=base: on_event(ev.Rereading(base + n, total)))
-                    turn.reinserted.append((p0, p1))
                     done += p1 - p0
             # The named messages are back exactly; the answer reads the cache as it is. Under the −log π biases a
             # sampled stand-in weighs up to 1/π cells (×50 at π = 0.02) and drowns the exact cells the re-read

@@ -165,6 +165,15 @@ def test_mirror_spans_cells_and_sketch_stay_in_step(engines: tuple[Engine, Engin
     a.restore(snap)
     _assert_in_step(a)
     assert a.cache.spans == spans
+    # evict_reinserted takes out exactly the cells re-inserted since (the snapshot carries them): every cell of
+    # messages 1 and 3 that was ever evicted, all live again now; their sketch rows come back as first kept
+    back = {p for seg in (1, 3) for p in range(*a.cache.spans[seg]) if p in first_rows}
+    live_before = set(a.cache.positions)
+    a.evict_reinserted()
+    _assert_in_step(a)
+    assert set(a.cache.positions) == live_before - back and back
+    rows = _sketch_rows(a)
+    assert {p: rows[p] for p in back} == {p: first_rows[p] for p in back}
     a.set_sketch((), 8, 4)
 
 
