@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 import numpy as np
 
@@ -132,6 +132,15 @@ def evicted_share(reading: patched.Importance, positions: np.ndarray, logpi: np.
 SHARE_FLOOR = 1e-4
 """The smallest baseline share an anomaly divides by, so a message earlier questions ignored does not read as
 infinitely anomalous on noise."""
+
+
+def recorded_ratios(messages: dict[str, dict[str, Any]], skip: Collection[int] = ()) -> dict[int, np.ndarray]:
+    """From a turn's recorded ``sketch.messages`` (see :meth:`Gate.read_sketch`): per message more than half
+    evicted with a baseline (and not in ``skip``), its ratio share / max(base, SHARE_FLOOR) in each sketch layer —
+    what ``sketch.max`` takes the largest of, recomputed offline for any subset of the recorded layers."""
+    return {int(m): np.asarray(v["share"], float) / np.maximum(np.asarray(v["base"], float), SHARE_FLOOR)
+            for m, v in messages.items()
+            if v["base"] is not None and v["evicted"] > v["live"] and int(m) not in skip}
 
 
 def _sig(x: Any) -> Any:

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.gate import SHARE_FLOOR  # noqa: E402
+from agent.gate import recorded_ratios  # noqa: E402
 from agent.replay import aggregate  # noqa: E402
 from agent.replay.studies import auc  # noqa: E402
 
@@ -48,9 +48,7 @@ def turns(paths: list[Path], full: list[Path], budget: str, skip: set[int]) -> t
             if not messages:
                 continue
             layers = layers or list(detail["sketch.layers"])
-            ratios = {int(m): np.asarray(v["share"]) / np.maximum(np.asarray(v["base"]), SHARE_FLOOR)
-                      for m, v in messages.items()
-                      if v["base"] is not None and v["evicted"] > v["live"] and int(m) not in skip}
+            ratios = recorded_ratios(messages, skip)
             top = np.max(np.stack(list(ratios.values())), axis=0) if ratios else np.zeros(len(layers))
             probe = s.get("kind") == "probe"
             fact = s.get("fact_turn") if probe else None

@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.gate import SHARE_FLOOR  # noqa: E402
+from agent.gate import recorded_ratios  # noqa: E402
 from agent.replay import aggregate  # noqa: E402
 from agent.replay.studies import auc  # noqa: E402
 from native import sketch  # noqa: E402
@@ -83,10 +83,7 @@ def load_turns(paths: Sequence[Path], policy: str, budget: str) -> tuple[list[in
                     elif [int(x) for x in rec_layers] != layers:
                         raise SystemExit(f"{path}: runs recorded different sketch layers ({rec_layers} vs {layers})")
                     row = np.zeros(len(layers))
-                    for m in (detail.get("sketch.messages") or {}).values():
-                        if m["base"] is None or m["evicted"] <= m["live"]:
-                            continue
-                        ratio = np.asarray(m["share"], float) / np.maximum(np.asarray(m["base"], float), SHARE_FLOOR)
+                    for ratio in recorded_ratios(detail.get("sketch.messages") or {}).values():
                         row = np.maximum(row, ratio)
                 turns.append(Turn(run["script"], int(s["turn"]), s["kind"],
                                   s["kind"] == "filler" and int(s["turn"]) * 2 >= last,

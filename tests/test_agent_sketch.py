@@ -11,7 +11,7 @@ import pytest
 
 from agent.config import EVICT_AT, Config, ConfigError
 from agent.engine import Engine, EngineSettings
-from agent.gate import SHARE_FLOOR
+from agent.gate import SHARE_FLOOR, recorded_ratios
 from agent.replay import drive
 from agent.session import ChatSession
 from memory_store.store import Store
@@ -92,6 +92,8 @@ def test_every_turn_records_the_question_s_attention_on_evicted_messages(engine:
     anomalies = [max(sh / max(b, SHARE_FLOOR) for sh, b in zip(r["share"], r["base"]))
                  for r in records.values() if r["base"] is not None and r["evicted"] > r["live"]]
     assert max(anomalies, default=0.0) == pytest.approx(last["sketch.max"], rel=2e-3)
+    ratios = recorded_ratios(records)  # the helper the offline scripts use
+    assert max((float(r.max()) for r in ratios.values()), default=0.0) == pytest.approx(last["sketch.max"], rel=2e-3)
     # the shares are a census of the whole history: live cells (biases taken out) and evicted ones, every
     # message counted once, sum to 1 in each layer
     total = np.sum(np.stack(list(s.gate.turn.shares.values())), axis=0)
