@@ -19,6 +19,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from agent import certificate
+from agent.certificate import CertificateForm, Component
 from agent.config import DEFAULT_EVICT_AT
 
 PATH = Path(__file__).parent / "gate_calibration.json"
@@ -71,12 +73,9 @@ def default_statistic(evict_at: str = DEFAULT_EVICT_AT) -> str:
     return cal.statistic if cal else FALLBACK_STATISTIC
 
 
-def default_tau(statistic: str, evict_at: str = DEFAULT_EVICT_AT, budget: str | None = None) -> float | None:
+def default_tau(statistic: str, evict_at: str = DEFAULT_EVICT_AT) -> float | None:
     """τ for ``statistic`` when the calibration for ``evict_at`` chose that statistic; None (gate off) otherwise.
-
-    A certificate statistic's τ is rescaled from the certificate multiplier it was calibrated under (the
-    record's ``certificate_multiplier``, 1 when absent: sqrt(V̂)/‖ô‖) to the one in force for ``budget``, so a
-    new multiplier changes what the certificate reads, not when the gate fires."""
+    A certificate statistic's τ holds on the certificate form it was calibrated under (:func:`tau_form`)."""
     cal = load(PATH, evict_at)
     if cal is None:
         return None
@@ -84,9 +83,24 @@ def default_tau(statistic: str, evict_at: str = DEFAULT_EVICT_AT, budget: str | 
         log.warning("gate 'auto' is calibrated for %s, not %s: gate off (give a threshold with --gate)",
                     cal.statistic, statistic)
         return None
-    if budget is not None and is_certificate_statistic(statistic):
-        return cal.tau * certificate_multiplier(budget) / float(cal.record.get("certificate_multiplier") or 1.0)
     return cal.tau
+
+
+def tau_form(evict_at: str = DEFAULT_EVICT_AT, budget: str | None = None, model: str | None = None,
+             rounds: int | None = None, policy: str = "poisson") -> CertificateForm | None:
+    """The certificate form the calibrated τ for ``evict_at`` was fitted on: the gate reads a certificate
+    statistic in it, so that a refitted certificate changes what the TUI shows, not when the gate fires. The
+    record keeps the certificate calibration in force when it was fitted (``certificate``); a record from
+    before calibrated certificates holds on sqrt(V̂)/‖ô‖ (times its ``certificate_multiplier`` k, if any).
+    None without a calibration."""
+    cal = load(PATH, evict_at)
+    if cal is None:
+        return None
+    rows = cal.record.get("certificate")
+    if rows:
+        return certificate.form_for(budget, model, rounds, records=certificate.parse_records(rows), policy=policy)
+    k = cal.record.get("certificate_multiplier")
+    return CertificateForm((Component(float(k or 1.0)),))
 
 
 def sketch_layers(n_layer: int, evict_at: str = DEFAULT_EVICT_AT) -> tuple[int, ...]:
@@ -105,7 +119,7 @@ def sketch_layers(n_layer: int, evict_at: str = DEFAULT_EVICT_AT) -> tuple[int, 
 
 
 def is_certificate_statistic(statistic: str) -> bool:
-    """Statistics of the k·sqrt(V̂)/‖ô‖ values (not the evicted share or the sketch's anomaly)."""
+    """Statistics of the certificate values (agent.certificate; not the evicted share or the sketch's anomaly)."""
     return statistic.startswith(("question.", "answer.")) and "evicted_share" not in statistic
 
 
@@ -120,67 +134,4 @@ def write(record: dict[str, Any], path: Path = PATH) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"calibrations": records}, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     load.cache_clear()
-    return path
-
-
-# -- the certificate's multiplier ---------------------------------------------------------------------
-#
-# The certificate the gate and the TUI show is k · sqrt(V̂) / ‖ô‖ per (question row, layer, head). V̂ is the
-# graph's linearised variance (token form, cumulative π); k is *fitted*, split-conformal, so that the
-# certificate covers the realised attention-output error at the nominal rate on calibration replays. It is
-# a calibrated bound, not a design-exact one: the data that fixed k are named in the file, with its held-out
-# check. Budgets not in the file take the largest k of those that are (the conservative choice).
-
-CERTIFICATE_PATH = Path(__file__).parent / "certificate_calibration.json"
-NOMINAL = 0.95
-
-
-def conformal_multiplier(err: Any, v_hat: Any, level: float = NOMINAL) -> float:
-    """Split-conformal k: the ⌈(n + 1)·level⌉-th smallest score err / sqrt(V̂) of the calibration cells (a cell
-    with V̂ = 0 and a non-zero error scores +inf). Exchangeable cells would make P(err ≤ k·sqrt(V̂)) ≥ level
-    for a new cell; cells of one question are dependent, so read it as a consistent fit, not a guarantee."""
-    import numpy as np  # noqa: PLC0415
-
-    e = np.asarray(err, dtype=np.float64)
-    v = np.sqrt(np.maximum(np.asarray(v_hat, dtype=np.float64), 0.0))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scores = np.where(v > 0, e / v, np.where(e > 0, np.inf, 0.0))
-    n = len(scores)
-    if n == 0:
-        raise ValueError("no calibration cells")
-    rank = min(n, int(np.ceil((n + 1) * level)))
-    return float(np.sort(scores)[rank - 1])
-
-
-def _budget_key(budget: str) -> str:
-    return budget.strip().replace(" ", "")
-
-
-@lru_cache(maxsize=8)
-def _multipliers(path: Path = CERTIFICATE_PATH) -> dict[str, float]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return {_budget_key(str(r["budget"])): float(r["multiplier"]) for r in data["multipliers"]}
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        log.warning("unreadable certificate calibration %s (%s): multiplier 1", path, err)
-        return {}
-
-
-def certificate_multiplier(budget: str | None = None, path: Path | None = None) -> float:
-    """k for the configured budget (e.g. "10%"); 1 (the uncalibrated sqrt(V̂)/‖ô‖) without a calibration file."""
-    table = _multipliers(path or CERTIFICATE_PATH)
-    if not table:
-        return 1.0
-    if budget is not None and _budget_key(budget) in table:
-        return table[_budget_key(budget)]
-    return max(table.values())
-
-
-def write_multipliers(record: dict[str, Any], path: Path | None = None) -> Path:
-    """Write the multiplier file (``{"multipliers": [{"budget", "multiplier", ...}], ...}``)."""
-    path = path or CERTIFICATE_PATH
-    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    _multipliers.cache_clear()
     return path

@@ -123,6 +123,8 @@ class EngineSnapshot:
     """The sketch rows of re-inserted cells, kept for their next eviction (see ``Engine._held``)."""
     reinserted: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     """The live positions :meth:`Engine.reinsert` put back."""
+    rounds: int = 0
+    """Eviction rounds since the cache was last empty (``Engine.rounds``)."""
 
 
 @dataclass
@@ -177,6 +179,10 @@ class Engine:
         attention out of all proportion (docs/results/NOTES.md)."""
         self._reinserted = np.empty(0, np.int64)
         """The live positions :meth:`reinsert` put back (sorted), for :meth:`evict_reinserted`."""
+        self.rounds = 0
+        """Eviction rounds that removed cells since the cache was last empty. After one, every kept cell was
+        decoded over the whole history; after two, some were decoded over an evicted one, and their K/V drift
+        from the full cache's (the certificate is calibrated for each case: agent.certificate)."""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.biases_lifted = False
         """The cells' −log π biases are lifted for this turn (:meth:`lift_biases`)."""
@@ -200,7 +206,7 @@ class Engine:
         return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
                               list(self.cache.segments), list(self.cache.logpi), self.next_pos,
                               copy.deepcopy(self.sketch) if self.sketch is not None and self.sketch.n_tokens else None,
-                              dict(self.cache.spans), self._held, self._reinserted)
+                              dict(self.cache.spans), self._held, self._reinserted, self.rounds)
 
     def restore(self, snap: "EngineSnapshot") -> None:
         """Put the cache back as it was, biases included (state files carry none)."""
@@ -215,6 +221,7 @@ class Engine:
             self.sketch.clear()
         self._held = snap.held
         self._reinserted = snap.reinserted
+        self.rounds = snap.rounds
 
     def evict(self, keep: np.ndarray, cum_logpi: np.ndarray | None = None) -> None:
         """Keep only the live cells where ``keep`` is True (mirror order) and compact the rest away; with
@@ -254,6 +261,8 @@ class Engine:
         if held is not None and self.sketch is not None:
             self.sketch.put(held)
         self.cache.keep(keep)
+        if len(gone):
+            self.rounds += 1
         if cum_logpi is not None:
             self.cache.logpi = [float(x) for x in cum_logpi[keep]]
         self._write_biases()
@@ -347,6 +356,7 @@ class Engine:
         self.next_pos = 0
         self._held = None
         self._reinserted = np.empty(0, np.int64)
+        self.rounds = 0
         if self.sketch is not None:
             self.sketch.clear()
 

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 import numpy as np
 
-from agent import calibration, policies
+from agent import calibration, certificate, policies
+from agent.certificate import CertificateForm
 from agent.config import Config, parse_gate
 from native import patched, poisson
 
@@ -44,9 +45,13 @@ class TurnCertificates:
     """What the gate measured during one turn (kept through a re-read of the history)."""
 
     question: np.ndarray | None = None
-    """(rows, layers, heads) relative certificate over the question window."""
+    """(rows, layers, heads) sqrt(V̂)/‖ô‖ over the question window, as the graph gave it."""
     answer: list[np.ndarray] = field(default_factory=list)
-    """One (layers, heads) relative certificate per answer step."""
+    """One (layers, heads) sqrt(V̂)/‖ô‖ per answer step."""
+    form: CertificateForm = field(default_factory=CertificateForm)
+    """How those become the certificate shown (calibrated per model, budget and rounds: agent.certificate)."""
+    rounds: int = 0
+    """The engine's eviction rounds when the certificates were read."""
     sampled_cells: int | None = None
     """Cells with π < 1 when the question's certificate was read: 0 means the certificate is 0 because nothing
     was sampled (everything kept was protected), not because nothing was lost."""
@@ -76,9 +81,11 @@ class TurnCertificates:
     """Per message index with evicted cells: enough to recompute ``sketch.max`` offline for any subset of the
     layers (``scripts/sketch_layers.py``): see :meth:`Gate.read_sketch`."""
 
-    def statistics(self) -> dict[str, float]:
-        question = self.question if self.question is not None and self.question.size else None
-        answer = np.stack(self.answer) if self.answer else None
+    def statistics(self, form: CertificateForm | None = None) -> dict[str, float]:
+        """Every statistic of the turn, the certificate ones in ``form`` (default: the certificate shown)."""
+        form = form or self.form
+        question = form.apply(self.question) if self.question is not None and self.question.size else None
+        answer = form.apply(np.stack(self.answer)) if self.answer else None
         if question is None and answer is None:
             return dict(self.sketch)
         return {**poisson.turn_statistics(question=question, answer=answer), **self.evicted_share, **self.sketch}
@@ -86,7 +93,8 @@ class TurnCertificates:
     def detail(self) -> dict[str, Any]:
         detail: dict[str, Any] = dict(self.statistics())
         if self.question is not None and self.question.size:
-            detail["per_layer"] = [float(x) for x in np.quantile(self.question, 0.95, axis=(0, 2))]
+            shown = self.form.apply(self.question)
+            detail["per_layer"] = [float(x) for x in np.quantile(shown, 0.95, axis=(0, 2))]
         detail["answer_steps"] = len(self.answer)
         if self.sampled_cells is not None:
             detail["sampled_cells"] = self.sampled_cells
@@ -254,8 +262,23 @@ class Gate:
     def threshold(self) -> float | None:
         gate = parse_gate(self.config.gate)
         if gate == "auto":
-            return calibration.default_tau(self.statistic, self.config.evict_at, self.config.budget)
+            return calibration.default_tau(self.statistic, self.config.evict_at)
         return gate if isinstance(gate, float) else None
+
+    def certificate_form(self, rounds: int) -> CertificateForm:
+        """The certificate shown for this policy, model and budget after ``rounds`` eviction rounds
+        (agent.certificate)."""
+        return certificate.form_for(self.config.budget, self.config.model, rounds, policy=self.config.policy)
+
+    def decision_form(self) -> CertificateForm:
+        """The form the gate compares with τ: a calibrated τ's own (agent.calibration.tau_form), else the
+        certificate shown (an explicit threshold is read on what the user sees)."""
+        if parse_gate(self.config.gate) == "auto" and calibration.is_certificate_statistic(self.statistic):
+            form = calibration.tau_form(self.config.evict_at, self.config.budget, self.config.model,
+                                        self.turn.rounds, self.config.policy)
+            if form is not None:
+                return form
+        return self.turn.form
 
     def wants_answer_certificates(self) -> bool:
         """Per-step certificates while answering: needed by an answer.* gate, or asked for (replays record
@@ -303,9 +326,9 @@ class Gate:
             reading = engine.read_importance()
         share = evicted_share(reading, positions, logpi)
         turn = self.turn
-        # the shown certificate: k·sqrt(V̂)/‖ô‖, k calibrated per budget (agent.calibration)
-        k = calibration.certificate_multiplier(self.config.budget)
-        turn.question = relative_certificate(engine.read_certificate())[-rows:] * k
+        turn.rounds = engine.rounds
+        turn.form = self.certificate_form(engine.rounds)
+        turn.question = relative_certificate(engine.read_certificate())[-rows:]
         turn.sampled_cells = int(np.count_nonzero(sampled))
         turn.uncertified = sampled_design and evicted and units < 2
         turn.evicted_share = share
@@ -381,7 +404,7 @@ class Gate:
 
     def question_decision(self) -> GateDecision:
         tau = self.threshold()
-        value = self.turn.statistics().get(self.statistic)
+        value = self.turn.statistics(self.decision_form()).get(self.statistic)
         # Too few sampled pages leave the kept sample's certificate nothing to estimate from; a sketch statistic
         # reads every evicted cell instead, so the rule stands only where no sketch spoke.
         sketch_spoke = self.statistic.startswith("sketch.") and value is not None
@@ -399,11 +422,12 @@ class Gate:
         tau = self.threshold()
         if not engine.reading:
             return GateDecision(None, tau, False)
-        k = calibration.certificate_multiplier(self.config.budget)
-        self.turn.answer.append(relative_certificate(engine.read_certificate())[-1] * k)
+        self.turn.rounds = engine.rounds
+        self.turn.form = self.certificate_form(engine.rounds)
+        self.turn.answer.append(relative_certificate(engine.read_certificate())[-1])
         if not self.statistic.startswith("answer."):
             return GateDecision(None, tau, False)
-        value = self.turn.statistics().get(self.statistic)
+        value = self.turn.statistics(self.decision_form()).get(self.statistic)
         return GateDecision(value, tau, fire=self._breach(value, tau))
 
     def record_firing(self, decision: GateDecision) -> None:
@@ -416,7 +440,7 @@ class Gate:
         fired = self.turn.fired
         if fired is not None and fired.value is not None:
             return fired.value
-        return self.turn.statistics().get(self.statistic)
+        return self.turn.statistics(self.decision_form()).get(self.statistic)
 
     # -- the re-read planner --------------------------------------------------------------
     def plan_targeted(self, decision: GateDecision, logged: dict[int, Any], engine: "Engine",

@@ -219,3 +219,25 @@ def test_a_gated_reread_reports_progress_and_can_be_stopped(engine: Engine, tmp_
     assert np.all(np.diff(engine.cache.positions) > 0)
     s.reconfigure(gate="off")
     assert s.send("And where was I born?").answer
+
+
+def test_the_certificate_shown_is_the_calibrated_form_of_the_graphs(engine: Engine, tmp_path: Path) -> None:
+    """The turn reads sqrt(V̂)/‖ô‖ from the graph and shows it in the calibrated form for the model, budget and
+    rounds the engine has been through (a model the calibration does not hold: the largest candidate)."""
+    from agent import certificate
+
+    config = Config(model="smollm2-135m", n_ctx=1024, policy="poisson", max_tokens=24, budget="25%", evict_from=0,
+                    gate="off", gate_stat="question.max", evict_at="turn-end")
+    s = ChatSession(config, Store(tmp_path / "log.db"), engine, "smollm2-135m")
+    for i in range(4):
+        drive.forced(s, f"Note {i}: " + "the sea, the mountains and the long rivers of Europe. " * 4, "I see.")
+    rounds_before = engine.rounds
+    r = s.send("Which note was about rivers?")
+    turn = s.gate.turn
+    assert turn.rounds == rounds_before >= 2 and engine.rounds == rounds_before + 1
+    form = certificate.form_for("25%", "smollm2-135m", turn.rounds)
+    assert not form.identity and turn.form == form
+    assert turn.question is not None and np.isfinite(turn.question).all()
+    shown = form.apply(turn.question)
+    assert (shown > turn.question).all()  # every calibrated form here has a drift term and k > 1
+    assert r.certificate_detail["question.max"] == pytest.approx(float(shown.max()), rel=1e-6)

@@ -135,6 +135,7 @@ def test_mirror_spans_cells_and_sketch_stay_in_step(engines: tuple[Engine, Engin
         logpi = np.where(keep, np.log(rng.uniform(0.3, 1.0, n)), 0.0) + np.asarray(a.cache.logpi)
         a.evict(keep, logpi)
         _assert_in_step(a)
+        assert a.rounds == round_ + 1, "every eviction that removes cells is a round (the certificate's class)"
         gone = set(range(a.next_pos)) - set(a.cache.positions)
         assert set(a.sketch.positions.tolist()) == gone
         # a cell's sketch row is its keys as first evicted: evicted again after a re-insertion (keys re-decoded
@@ -169,11 +170,17 @@ def test_mirror_spans_cells_and_sketch_stay_in_step(engines: tuple[Engine, Engin
     # messages 1 and 3 that was ever evicted, all live again now; their sketch rows come back as first kept
     back = {p for seg in (1, 3) for p in range(*a.cache.spans[seg]) if p in first_rows}
     live_before = set(a.cache.positions)
+    assert a.rounds == 3, "a snapshot carries the rounds"
     a.evict_reinserted()
     _assert_in_step(a)
     assert set(a.cache.positions) == live_before - back and back
     rows = _sketch_rows(a)
     assert {p: rows[p] for p in back} == {p: first_rows[p] for p in back}
+    assert a.rounds == 4
+    a.evict(np.ones(len(a.cache), dtype=bool))
+    assert a.rounds == 4, "an eviction that removes nothing is no round"
+    a.reset()
+    assert a.rounds == 0
     a.set_sketch((), 8, 4)
 
 

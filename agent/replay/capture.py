@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.certificate import CertificateForm
 from native.ggml_tensor import GGML_TYPE_F16, GgmlTensor, read
 
 
@@ -710,28 +711,35 @@ Z95 = 1.6448536269514722
 """z_{0.95}: DESIGN.md's certificate z·sqrt(V̂) at nominal 95%."""
 
 
-def coverage_forms(cells: dict[str, np.ndarray], multiplier: float) -> dict[str, dict[str, Any]]:
+def coverage_forms(cells: dict[str, np.ndarray], form: CertificateForm, n_layer: int) -> dict[str, dict[str, Any]]:
     """Coverage and Spearman of each certificate form over ``cells`` (arrays of :data:`CELL_FIELDS`).
 
-    ``shipped`` is the certificate the gate and the TUI show, k·sqrt(V̂_graph) (relative to ‖ô‖ on both
-    sides, which does not change coverage); the others are for diagnosis."""
+    ``shipped`` is the certificate the gate and the TUI show (``form``, agent.certificate, for a model of
+    ``n_layer`` layers; compared in absolute terms, ‖ô‖ times the relative value); the others are for
+    diagnosis: ``k_only`` the same multiplier without the drift term, the z forms uncalibrated."""
     from agent.replay import studies  # noqa: PLC0415
 
     if not len(cells.get("err", [])):
         return {}
+    o_norm = np.sqrt(np.maximum(cells["o_norm2"], 0.0))
     sd_graph = np.sqrt(np.maximum(cells["v_hat"], 0.0))
     sd_page = np.sqrt(np.maximum(cells["v_hat_page_np"], 0.0))
-    forms = {"shipped": (multiplier * sd_graph, cells["err"]), "raw_token": (sd_graph, cells["err"]),
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(o_norm > 0, sd_graph / o_norm, 0.0)
+    shipped = o_norm * form.apply_cells(rel, cells["layer"], n_layer)
+    forms = {"shipped": (shipped, cells["err"]), "k_only": (form.multiplier * sd_graph, cells["err"]),
+             "raw_token": (sd_graph, cells["err"]),
              "z_token": (Z95 * sd_graph, cells["err"]), "z_page": (Z95 * sd_page, cells["err"]),
-             "shipped_vs_full_run": (multiplier * sd_graph, cells["err_e2e"]),
-             "shipped_vs_sample_error": (multiplier * sd_graph, cells["err_design"]),
+             "shipped_vs_full_run": (shipped, cells["err_e2e"]),
+             "shipped_vs_sample_error": (shipped, cells["err_design"]),
              "z_page_vs_sample_error": (Z95 * sd_page, cells["err_design"])}
     out = {}
     for name, (cert, err) in forms.items():
         out[name] = {"n_cells": int(len(err)), "coverage": float(np.mean(err <= cert)),
                      "spearman": studies.spearman(cert, err),
                      "median_ratio_error_to_certificate": float(np.median(err / np.maximum(cert, 1e-30)))}
-    out["shipped"]["multiplier"] = multiplier
+    out["shipped"]["multiplier"] = form.multiplier
+    out["shipped"]["form"] = form.record()
     out["z_page"]["page_over_token_variance_median"] = float(np.median(
         cells["v_hat_page_np"] / np.maximum(cells["v_hat"], 1e-30)))
     return out
@@ -745,7 +753,7 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
     and returns per design and protocol the coverage of each certificate form. The headline (``coverage``,
     ``n_cells``, ``spearman``, ``protocol``) is the first design's first protocol, ``shipped`` form, over
     the certified turns (an uncertified turn fires the gate whatever it reads)."""
-    from agent import calibration  # noqa: PLC0415
+    from agent import certificate  # noqa: PLC0415
     from agent.replay import batch  # noqa: PLC0415
     from agent.replay.runner import base_policy  # noqa: PLC0415
 
@@ -765,30 +773,36 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
                         **{f"{label}|{k}": v for label, a in arrays.items() for k, v in a.items()})
     (out_dir / "coverage-turns.json").write_text(json.dumps(turns, indent=0) + "\n", encoding="utf-8")
     rows = []
+    model_name = settings.model or base.model
+    # every layer of the models studied has attention, so the deepest layer seen gives the depth
+    n_layer = 1 + max((int(a["layer"].max()) for a in arrays.values() if len(a.get("layer", []))), default=0)
     for label in labels:
         policy, budget, protocol = label.rsplit(" ", 2)
         a = arrays[label]
         mine = [t for t in turns if t["label"] == label]
         certified = np.array([not mine_t["uncertified"] for mine_t in turns], dtype=bool)[a["turn"].astype(int)]
         sub = {k: v[certified] for k, v in a.items()}
-        k = calibration.certificate_multiplier(budget)
+        # what the product shows for this policy (a variant of it runs under the same name and calibration)
+        form = certificate.form_for(budget, model_name, 1 if certificate.PROTOCOL_ROUNDS.get(protocol) == "1" else 2,
+                                    policy=base_policy(policy))
         by_script: dict[str, Any] = {}
         script_of = np.array([t["script"] for t in turns])[sub["turn"].astype(int)] if len(sub["turn"]) else []
         for name in sorted(set(script_of)):
             sel = script_of == name
-            by_script[name] = coverage_forms({f: v[sel] for f, v in sub.items()}, k)["shipped"]
+            by_script[name] = coverage_forms({f: v[sel] for f, v in sub.items()}, form, n_layer)["shipped"]
         rows.append({"design": f"{policy} {budget}", "policy": policy, "budget": budget, "protocol": protocol,
                      "turns": len(mine), "uncertified_turns": sum(t["uncertified"] for t in mine),
-                     "forms": coverage_forms(sub, k), "by_script": by_script,
+                     "forms": coverage_forms(sub, form, n_layer), "by_script": by_script,
                      "checks": {c: max((t[c] for t in mine), default=None)
                                 for c in ("out_rel", "full_out_rel", "token_np_vs_graph_rel", "token_np_vs_graph_rel_median",
                                           "mask_mismatch", "rounds_logpi_gap", "layers_skipped")}})
     head = next((r for r in rows if r["forms"]), None)
     shipped = head["forms"]["shipped"] if head else {}
-    return {"study": "coverage", "meta": doc["meta"], "nominal": calibration.NOMINAL,
+    return {"study": "coverage", "meta": doc["meta"], "nominal": certificate.NOMINAL,
             "design": head["design"] if head else None, "protocol": head["protocol"] if head else None,
             "coverage": shipped.get("coverage"), "n_cells": shipped.get("n_cells"),
             "spearman": shipped.get("spearman"), "multiplier": shipped.get("multiplier"),
-            "certificate": "k·sqrt(V̂)/‖ô‖ (token-form V̂ in the graph; k calibrated, agent/certificate_calibration.json)",
+            "certificate": "k·sqrt(V̂ + λ_l‖ô‖²)/‖ô‖ (token-form V̂ in the graph; k and the drift λ per layer "
+                           "calibrated per model and budget, agent/certificate_calibration.json)",
             "rows": rows, "cells_file": str(out_dir / "coverage-cells.npz"),
             "template": "study fallback (Gemma turn markup: the GGUF has none)" if fallback else "the GGUF's"}

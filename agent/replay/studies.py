@@ -402,11 +402,12 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
     if not matches:
         raise ValueError(f"no calibration of {statistic} ({protocol}) in this study")
     best = max(matches, key=lambda c: len(c["budgets"]))
-    from agent import calibration  # noqa: PLC0415
+    from agent import calibration, certificate  # noqa: PLC0415
 
-    # the multiplier the replayed certificates carried (the runs record k·sqrt(V̂)/‖ô‖): τ is rescaled from it
-    scale = calibration.certificate_multiplier(best["budgets"][0]) if len(best["budgets"]) == 1 else None
-    return {"statistic": statistic, "tau": best["tau"], "certificate_multiplier": scale, "rule": rule,
+    # the certificate calibration the replayed statistics were read in (the one shipped when they ran): the gate
+    # reads a certificate statistic in it, whatever the certificate shown becomes (calibration.tau_form)
+    shown = certificate.shipped_records() if calibration.is_certificate_statistic(statistic) else None
+    return {"statistic": statistic, "tau": best["tau"], "certificate": shown, "rule": rule,
             "filler_target": best["filler_target"],
             # the replays' eviction timing (results without it predate the setting: "question")
             "evict_at": result["meta"].get("design", {}).get("evict_at", "question"),
