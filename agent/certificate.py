@@ -75,18 +75,10 @@ class CertificateForm:
         if self.identity:
             return rel
         n_layer = rel.shape[-2]
-        out = None
-        for c in self.components:
-            lam = c.drift_for(n_layer)[:, None]
-            with np.errstate(invalid="ignore"):
-                cert = c.multiplier * np.sqrt(rel * rel + lam)
-            out = cert if out is None else np.maximum(out, cert)
-        assert out is not None
-        return out
+        return self.apply_cells(rel, np.broadcast_to(np.arange(n_layer)[:, None], rel.shape), n_layer)
 
     def apply_cells(self, rel: np.ndarray, layer: np.ndarray, n_layer: int) -> np.ndarray:
-        """The same for flat cells: ``rel`` sqrt(V̂)/‖ô‖ of each cell, ``layer`` its layer in a model of
-        ``n_layer`` layers."""
+        """``rel`` sqrt(V̂)/‖ô‖ of each cell, ``layer`` its layer (same shape) in a model of ``n_layer`` layers."""
         rel = np.asarray(rel, dtype=np.float64)
         lay = np.asarray(layer, dtype=np.int64)
         out = np.zeros_like(rel)
@@ -97,13 +89,6 @@ class CertificateForm:
 
     def record(self) -> dict[str, Any]:
         return {"components": [{"multiplier": c.multiplier, "drift": list(c.drift)} for c in self.components]}
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any] | None) -> "CertificateForm":
-        if not record:
-            return cls()
-        return cls(tuple(Component(float(c["multiplier"]), tuple(float(x) for x in c.get("drift") or ()))
-                         for c in record["components"]))
 
 
 def conformal_multiplier(err: Any, scale: Any, level: float = NOMINAL) -> float:
@@ -164,8 +149,8 @@ def rounds_class(rounds: int) -> str:
     return "1" if rounds <= 1 else "2+"
 
 
-PROTOCOL_ROUNDS = {"one-shot": "1", "multi-round": "2+"}
-"""The rounds class of the coverage study's protocols."""
+PROTOCOL_ROUNDS = {"one-shot": 1, "multi-round": 2}
+"""Eviction rounds standing for each protocol of the coverage study (its rounds class: :func:`rounds_class`)."""
 
 
 def _budget_key(budget: str) -> str:
@@ -187,23 +172,25 @@ def parse_records(rows: list[dict[str, Any]]) -> tuple[Record, ...]:
                   Component(float(r["multiplier"]), tuple(float(x) for x in r.get("drift") or ()))) for r in rows)
 
 
+def shipped_records(path: Path | None = None) -> list[dict[str, Any]]:
+    """The calibration rows in force (what a τ calibrated now was read on); [] without a readable file."""
+    path = path or PATH
+    try:
+        return list(json.loads(path.read_text(encoding="utf-8"))["multipliers"])
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("unreadable certificate calibration %s (%s): uncalibrated certificate", path, err)
+        return []
+
+
 @lru_cache(maxsize=8)
 def _records(path: Path) -> tuple[Record, ...]:
     try:
-        return parse_records(json.loads(path.read_text(encoding="utf-8"))["multipliers"])
-    except FileNotFoundError:
-        return ()
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        return parse_records(shipped_records(path))
+    except (ValueError, KeyError, TypeError) as err:
         log.warning("unreadable certificate calibration %s (%s): uncalibrated certificate", path, err)
         return ()
-
-
-def shipped_records(path: Path | None = None) -> list[dict[str, Any]]:
-    """The calibration rows in force (what a τ calibrated now was read on); [] without a file."""
-    try:
-        return list(json.loads((path or PATH).read_text(encoding="utf-8"))["multipliers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
 
 
 def form_for(budget: str | None = None, model: str | None = None, rounds: int | None = None,

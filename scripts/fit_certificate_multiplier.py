@@ -75,10 +75,12 @@ def main() -> int:
                         "cells": {k: np.concatenate([p["cells"][k] for p in parts]) for k in parts[0]["cells"]},
                         "script": np.concatenate([p["script"] for p in parts])})
     records, table, per_script = [], [], []
-    for model, budget, rounds in sorted({(e["model"], e["budget"], certificate.PROTOCOL_ROUNDS[e["protocol"]])
-                                         for e in entries}, key=lambda m: (m[0], float(m[1].rstrip("%")), m[2])):
-        mine = [e for e in entries
-                if (e["model"], e["budget"], certificate.PROTOCOL_ROUNDS[e["protocol"]]) == (model, budget, rounds)]
+    def rounds_of(e: dict) -> str:
+        return certificate.rounds_class(certificate.PROTOCOL_ROUNDS[e["protocol"]])
+
+    for model, budget, rounds in sorted({(e["model"], e["budget"], rounds_of(e)) for e in entries},
+                                        key=lambda m: (m[0], float(m[1].rstrip("%")), m[2])):
+        mine = [e for e in entries if (e["model"], e["budget"], rounds_of(e)) == (model, budget, rounds)]
         parts = [subset(e, cal) for e in mine]
         c = {k: np.concatenate([p[k] for p in parts])
              for k in ("layer", "v_hat", "v_hat_page_np", "o_norm2", args.error)}

@@ -783,7 +783,7 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
         certified = np.array([not mine_t["uncertified"] for mine_t in turns], dtype=bool)[a["turn"].astype(int)]
         sub = {k: v[certified] for k, v in a.items()}
         # what the product shows for this policy (a variant of it runs under the same name and calibration)
-        form = certificate.form_for(budget, model_name, 1 if certificate.PROTOCOL_ROUNDS.get(protocol) == "1" else 2,
+        form = certificate.form_for(budget, model_name, certificate.PROTOCOL_ROUNDS.get(protocol, 2),
                                     policy=base_policy(policy))
         by_script: dict[str, Any] = {}
         script_of = np.array([t["script"] for t in turns])[sub["turn"].astype(int)] if len(sub["turn"]) else []
