@@ -8,6 +8,11 @@ default always cites the data behind it.
 The certificate a turn reads depends on when the cache was evicted (config ``evict_at``), so
 the file keeps one record per ``evict_at`` (``{"calibrations": [...]}``; a file holding a
 single record is one calibrated with ``evict_at = "question"``, the only timing there was).
+
+A record may make τ adaptive (``"adaptive": {"factor", "window"}``): the threshold of a turn is then
+the larger of τ and ``factor`` × the median of the conversation's last ``window`` turn statistics
+(:func:`adaptive_tau`), a constant-false-alarm-rate rule — a chat whose ordinary turns already read high
+(long chats that refer back, docs/results/NOTES.md) raises its own bar, and a quiet one keeps τ.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from agent import certificate
 from agent.certificate import CertificateForm, Component
@@ -30,6 +37,21 @@ PATH = Path(__file__).parent / "gate_calibration.json"
 FALLBACK_STATISTIC = "question.max"
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """τ that follows the conversation: max(τ, factor × median of the last ``window`` turn statistics)."""
+
+    factor: float
+    window: int
+
+
+def adaptive_tau(tau: float, recent: Sequence[float], rule: Adaptive | None) -> float:
+    """The threshold of the next turn, given the conversation's earlier turn statistics (oldest first)."""
+    if rule is None or not recent:
+        return tau
+    return max(tau, rule.factor * float(np.median(np.asarray(recent[-rule.window:], dtype=np.float64))))
 
 
 @dataclass(frozen=True)
@@ -84,6 +106,15 @@ def default_tau(statistic: str, evict_at: str = DEFAULT_EVICT_AT) -> float | Non
                     cal.statistic, statistic)
         return None
     return cal.tau
+
+
+def adaptive(statistic: str, evict_at: str = DEFAULT_EVICT_AT) -> Adaptive | None:
+    """The adaptive rule of the calibrated τ for ``statistic`` (None: a fixed τ, or no calibration for it)."""
+    cal = load(PATH, evict_at)
+    spec = cal.record.get("adaptive") if cal is not None and cal.statistic == statistic else None
+    if not spec:
+        return None
+    return Adaptive(float(spec["factor"]), int(spec["window"]))
 
 
 def tau_form(evict_at: str = DEFAULT_EVICT_AT, budget: str | None = None, model: str | None = None,

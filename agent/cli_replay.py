@@ -339,9 +339,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--write-calibration", metavar="STATISTIC", dest="write_calibration",
                    help="with --study gating: save τ of this statistic (e.g. question.q) as the agent's default "
                         "(agent/gate_calibration.json)")
-    p.add_argument("--calibration-rule", choices=("fillers", "probes"), default="fillers", dest="calibration_rule",
-                   help="which τ --write-calibration saves: filler gate rate ≤ 10%% (fillers) or every "
-                        "eviction-broken calibration probe gated (probes)")
+    p.add_argument("--calibration-rule", choices=("fillers", "probes", "adaptive"), default="fillers",
+                   dest="calibration_rule",
+                   help="which τ --write-calibration saves: filler gate rate ≤ 10%% (fillers), every "
+                        "eviction-broken calibration probe gated (probes), or a floor at 2.5%% of fillers that "
+                        "rises with each conversation's recent statistics (adaptive; sketch statistics)")
     p.set_defaults(func=cli_errors.guard(_cmd_replay))
 
     demo = sub.add_parser("demo", help="built-in demonstrations")

@@ -50,7 +50,9 @@ class Config:
     budget: str = "10%"
     """KV budget: a token count ("1024") or a share of the history ("10%")."""
     gate: str = "auto"
-    """Gate threshold τ on the turn's certificate, "off" to disable, or "auto" for the calibrated default."""
+    """Gate threshold τ on the turn's statistic, "off" to disable, or "auto" for the calibrated default (which
+    follows the conversation: its calibrated τ, raised to a multiple of the median of the recent turn statistics
+    when the conversation's turns read higher — agent/gate_calibration.json). A number is a fixed τ."""
     seed: int = 0
     """Seed for sampling and for the Poisson draws (runs are replayable)."""
     temperature: float = 0.0

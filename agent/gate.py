@@ -80,6 +80,8 @@ class TurnCertificates:
     sketch_messages: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Per message index with evicted cells: enough to recompute ``sketch.max`` offline for any subset of the
     layers (``scripts/sketch_layers.py``): see :meth:`Gate.read_sketch`."""
+    discarded: bool = False
+    """The turn was rolled back (an independent probe)."""
 
     def statistics(self, form: CertificateForm | None = None) -> dict[str, float]:
         """Every statistic of the turn, the certificate ones in ``form`` (default: the certificate shown)."""
@@ -248,6 +250,8 @@ class Gate:
         self.copy: ReadCopy | None = None
         self._paid: dict[int, list[np.ndarray]] = {}
         """Per message index: its attention share in each sketch layer at every earlier turn (the baselines)."""
+        self._recent: list[float] = []
+        """The conversation's earlier turn statistics, oldest first (what an adaptive τ follows)."""
 
     def reconfigure(self, config: Config) -> None:
         self.config = config
@@ -260,9 +264,15 @@ class Gate:
         return calibration.default_statistic(self.config.evict_at) if stat == "auto" else stat
 
     def threshold(self) -> float | None:
+        """τ for this turn: the configured number, or the calibrated τ — raised, when its calibration is
+        adaptive, to its factor × the median of this conversation's recent turn statistics."""
         gate = parse_gate(self.config.gate)
         if gate == "auto":
-            return calibration.default_tau(self.statistic, self.config.evict_at)
+            tau = calibration.default_tau(self.statistic, self.config.evict_at)
+            if tau is None:
+                return None
+            return calibration.adaptive_tau(tau, self._recent,
+                                            calibration.adaptive(self.statistic, self.config.evict_at))
         return gate if isinstance(gate, float) else None
 
     def certificate_form(self, rounds: int) -> CertificateForm:
@@ -290,20 +300,28 @@ class Gate:
 
     # -- the turn's certificates ---------------------------------------------------------
     def begin_turn(self) -> TurnCertificates:
-        for message, share in self.turn.shares.items():
+        previous = self.turn
+        for message, share in previous.shares.items():
             self._paid.setdefault(message, []).append(share)
+        if not previous.discarded:
+            value = previous.statistics(self.decision_form()).get(self.statistic)
+            if value is not None and math.isfinite(value):
+                self._recent.append(float(value))
         self.turn = TurnCertificates()
         return self.turn
 
     def new_conversation(self) -> None:
-        """A new or reopened conversation: no copy, no baselines."""
+        """A new or reopened conversation: no copy, no baselines, no recent statistics."""
         self.copy = None
         self._paid = {}
+        self._recent = []
         self.turn = TurnCertificates()
 
     def discard_turn(self) -> None:
-        """The turn was rolled back (an independent probe): what it paid each message is no baseline."""
+        """The turn was rolled back (an independent probe): what it paid each message is no baseline, and its
+        statistic no part of the conversation's recent ones."""
         self.turn.shares = {}
+        self.turn.discarded = True
 
     def read_question(self, engine: "Engine", rows: int, sampled_design: bool,
                       reading: patched.Importance | None = None) -> None:

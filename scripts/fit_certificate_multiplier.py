@@ -32,6 +32,9 @@ from agent.replay import capture  # noqa: E402
 
 def load(study: Path) -> list[dict]:
     """One entry per (model, design label): the cells with their script names."""
+    if not (study / "coverage-cells.npz").exists():
+        raise SystemExit(f"{study}: no coverage-cells.npz to fit on (the committed locomo-* folders keep the study "
+                         "summaries only; rerun the study command in their study-coverage.json to get the cells)")
     meta = json.loads((study / "study-coverage.json").read_text())["meta"]
     turns = json.loads((study / "coverage-turns.json").read_text())
     z = np.load(study / "coverage-cells.npz")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,54 @@ def test_auto_gate_reads_the_calibration_that_chose_it(tmp_path: Path) -> None:
     assert calibration.load(tmp_path / "missing.json", "question") is None
     (tmp_path / "bad.json").write_text("{", encoding="utf-8")
     assert calibration.load(tmp_path / "bad.json") is None
+
+
+def test_adaptive_tau_follows_the_conversation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adaptive calibration raises a turn's bar to factor × the median of the conversation's recent sketch
+    statistics, never below τ; a rolled-back turn's statistic is not among them, a new conversation starts at τ,
+    and an explicit threshold stays fixed."""
+    from agent import calibration
+    from agent.gate import Gate
+
+    path = tmp_path / "gate_calibration.json"
+    path.write_text(json.dumps({"calibrations": [{"statistic": "sketch.max", "tau": 5.0, "evict_at": "turn-end",
+                                                  "adaptive": {"factor": 2.0, "window": 3}}]}))
+    monkeypatch.setattr(calibration, "PATH", path)
+    calibration.load.cache_clear()
+    try:
+        assert calibration.adaptive_tau(5.0, [], calibration.Adaptive(2.0, 3)) == 5.0
+        assert calibration.adaptive_tau(5.0, [9.0, 1.0, 4.0, 6.0], calibration.Adaptive(2.0, 3)) == 8.0
+        assert calibration.adaptive_tau(5.0, [9.0, 1.0, 4.0, 6.0], None) == 5.0
+        gate = Gate(config.Config(gate="auto", gate_stat="sketch.max", evict_at="turn-end"))
+
+        def turn(value: float) -> None:
+            gate.begin_turn()
+            gate.turn.sketch = {"sketch.max": value}
+
+        assert gate.threshold() == 5.0
+        for value in (1.0, 2.0, 1.5):  # a quiet chat: the floor holds
+            turn(value)
+        assert gate.threshold() == 5.0
+        decision = gate.question_decision()
+        assert decision.threshold == 5.0 and not decision.fire
+        for value in (12.0, 14.0, 10.0):  # a chat whose ordinary turns read high raises its own bar
+            turn(value)
+        gate.begin_turn()
+        assert gate.threshold() == pytest.approx(24.0)
+        gate.turn.sketch = {"sketch.max": 20.0}
+        assert not gate.question_decision().fire  # 20 would pass a fixed τ of 5
+        gate.turn.sketch = {"sketch.max": 30.0}
+        assert gate.question_decision().fire
+        gate.discard_turn()  # an independent probe, rolled back
+        gate.begin_turn()
+        assert gate.threshold() == pytest.approx(24.0)
+        gate.new_conversation()
+        assert gate.threshold() == 5.0
+        fixed = Gate(config.Config(gate="7.5", gate_stat="sketch.max", evict_at="turn-end"))
+        for value in (12.0, 14.0, 10.0):
+            fixed.begin_turn()
+            fixed.turn.sketch = {"sketch.max": value}
+        fixed.begin_turn()
+        assert fixed.threshold() == 7.5
+    finally:
+        calibration.load.cache_clear()

@@ -37,6 +37,17 @@ def _step(lineno: int, kind: str, correct: bool | None, cert: float | None, logp
             "answer_tokens": 1, "decode_ms": 1.0, "peak_cells": 1, "distance": 25}
 
 
+def _runs(full_steps: list[dict], pois_steps: list[dict]) -> dict:
+    """A results document: one full run and one poisson run (10%) of script "s"."""
+    runs = []
+    for policy, steps in (("full", full_steps), ("poisson", pois_steps)):
+        r = {"script": "s", "policy": policy, "budget": "100%" if policy == "full" else "10%", "seed": 0,
+             "protocol": "multi-round", "steps": steps, "wall_s": 1.0}
+        r["summary"] = aggregate.summarize(r)
+        runs.append(r)
+    return aggregate.results_document({"model": "m"}, runs)
+
+
 def _doc() -> dict:
     """8 probes: full right on 0–5; poisson right on 0–1, wrong on 2–7 (2–5 induced, 6–7 inherent).
     The certificate is high exactly on the induced failures; fillers score low except one."""
@@ -48,13 +59,7 @@ def _doc() -> dict:
     for j in range(8, 18):
         full_steps.append(_step(j, "filler", None, None))
         pois_steps.append(_step(j, "filler", None, 0.95 if j == 8 else 0.05))
-    runs = []
-    for policy, steps in (("full", full_steps), ("poisson", pois_steps)):
-        r = {"script": "s", "policy": policy, "budget": "100%" if policy == "full" else "10%", "seed": 0,
-             "protocol": "multi-round", "steps": steps, "wall_s": 1.0}
-        r["summary"] = aggregate.summarize(r)
-        runs.append(r)
-    return aggregate.results_document({"model": "m"}, runs)
+    return _runs(full_steps, pois_steps)
 
 
 def test_attribution_separates_induced_from_inherent() -> None:
@@ -102,6 +107,44 @@ def test_calibration_caps_the_filler_rate() -> None:
     assert by_probes["in_sample"]["filler_gate_rate"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="no topk runs"):
         studies.calibrate(_doc(), "question.q", policy="topk")
+
+
+def _loud_doc() -> dict:
+    """One conversation that turns loud: five quiet fillers (1), a broken probe (6), five loud fillers (10), a
+    broken probe (25); full answers every probe right."""
+    values = [(1.0, "filler")] * 5 + [(6.0, "probe")] + [(10.0, "filler")] * 5 + [(25.0, "probe")]
+    full_steps, pois_steps = [], []
+    for i, (value, kind) in enumerate(values):
+        full_steps.append(_step(i, kind, True if kind == "probe" else None, None))
+        pois_steps.append(_step(i, kind, False if kind == "probe" else None, value))
+    return _runs(full_steps, pois_steps)
+
+
+def test_adaptive_calibration_follows_each_conversation() -> None:
+    from agent.calibration import Adaptive
+
+    rule = Adaptive(2.0, 5)
+    (steps,) = studies.paired_steps(_loud_doc(), ("poisson",)).values()
+    bars = studies.adaptive_thresholds(steps, "question.q", 5.0, rule)
+    # τ while the chat is quiet (2 × 1 < 5), then 2 × the median of the last five as it turns loud
+    assert bars[:8] == [5.0] * 8
+    assert bars[8:] == [12.0, 20.0, 20.0, 20.0]
+    fixed = studies.gate_figures(steps, "question.q", 5.0)
+    adaptive = studies.gate_figures(steps, "question.q", 5.0, rule)
+    assert fixed["recall"] == adaptive["recall"] == 1.0
+    assert fixed["filler_gate_rate"] == pytest.approx(0.5) and adaptive["filler_gate_rate"] == pytest.approx(0.2)
+    cal = studies.calibrate(_loud_doc(), "question.q", filler_target=0.0, adaptive=rule)
+    assert cal["rule"] == "adaptive" and cal["adaptive"] == {"factor": 2.0, "window": 5}
+    assert cal["tau"] == pytest.approx(10.0) and cal["in_sample"]["filler_gate_rate"] == 0.0
+    # a rolled-back (independent) probe is not part of the conversation's recent statistics; another run
+    # (another budget, another script) starts from τ
+    quiet = [{**s, "_run": "a"} for s in steps[:2]]
+    probe = {**steps[5], "_run": "a", "turn": 2, "lineno": 2, "independent": True,
+             "certificate_detail": {"question.q": 100.0}}
+    after = {**steps[0], "_run": "a", "turn": 3, "lineno": 3}
+    other = {**steps[10], "_run": "b"}
+    assert studies.adaptive_thresholds([*quiet, probe, after, other], "question.q", 1.0, Adaptive(2.0, 2)) == \
+        [1.0, 2.0, 2.0, 2.0, 1.0]
 
 
 def test_uncertified_turns_count_as_gated() -> None:

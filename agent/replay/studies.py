@@ -35,6 +35,12 @@ import numpy as np
 
 RATES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 FILLER_TARGET = 0.1
+ADAPTIVE = (2.0, 20)
+"""The adaptive τ's factor and window (agent.calibration.adaptive_tau), chosen on the calibration replays by
+``scripts/adaptive_gate_grid.py``: the middle of the settings that keep every calibration probe's recall."""
+ADAPTIVE_FILLER_TARGET = 0.025
+"""The adaptive τ's floor: the filler rule at this share of calibration fillers (a quiet chat's bar; a loud one
+raises its own)."""
 """Calibration target: the default τ lets the gate fire on at most this share of filler turns."""
 
 
@@ -277,21 +283,67 @@ def gating(doc: dict[str, Any], rates: tuple[float, ...] = RATES) -> list[dict[s
     return rows
 
 
+def adaptive_thresholds(steps: list[dict[str, Any]], statistic: str, tau: float | None,
+                        rule: Any) -> list[float | None]:
+    """The threshold each step met, as the agent's gate sets it (agent.calibration.adaptive_tau): per run, in
+    turn order, τ raised to the rule's factor × the median of the run's earlier turn statistics (an independent
+    probe's, rolled back, not among them). Without a rule, τ throughout."""
+    from agent import calibration  # noqa: PLC0415
+
+    out: list[float | None] = [tau] * len(steps)
+    if tau is None or rule is None:
+        return out
+    runs: dict[Any, list[int]] = defaultdict(list)
+    for i, s in enumerate(steps):
+        runs[s.get("_run", (s["script"], s.get("seed")))].append(i)
+    for order in runs.values():
+        recent: list[float] = []
+        for i in sorted(order, key=lambda i: (steps[i]["turn"], steps[i]["lineno"])):
+            out[i] = calibration.adaptive_tau(tau, recent, rule)
+            v = statistics_of(steps[i]).get(statistic)
+            if v is not None and math.isfinite(v) and not steps[i].get("independent"):
+                recent.append(v)
+    return out
+
+
+def gate_figures(sample: list[dict[str, Any]], statistic: str, tau: float | None,
+                 adaptive: Any = None) -> dict[str, Any]:
+    """Recall and gate rates of a gate on ``statistic`` at τ (adaptive or not) over paired steps: a gated probe
+    answers as the full cache did."""
+    bars = adaptive_thresholds(sample, statistic, tau, adaptive)
+    fired_at = {id(s): (bar is not None and (v := statistics_of(s).get(statistic)) is not None and v >= bar)
+                for s, bar in zip(sample, bars)}
+    probes = [s for s in sample if s["kind"] == "probe" and s.get("correct") is not None]
+    fillers = [s for s in sample if s["kind"] == "filler"]
+
+    def fired(s: dict[str, Any]) -> bool:
+        return fired_at[id(s)]
+
+    return {"recall": float(np.mean([bool(p["full"]["correct"]) if fired(p) else bool(p["correct"])
+                                     for p in probes])) if probes else None,
+            "probe_gate_rate": float(np.mean([fired(p) for p in probes])) if probes else None,
+            "filler_gate_rate": float(np.mean([fired(f) for f in fillers])) if fillers else None,
+            "turn_gate_rate": float(np.mean([fired(s) for s in sample])) if sample else None}
+
+
 def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budget: str | None = None,
               protocol: str = "multi-round", filler_target: float = FILLER_TARGET,
-              probe_target: float | None = None) -> dict[str, Any]:
-    """τ for ``statistic``, with leave-one-script-out figures, by one of two rules:
+              probe_target: float | None = None, adaptive: Any = None) -> dict[str, Any]:
+    """τ for ``statistic``, with leave-one-script-out figures, by one of three rules:
 
     - ``filler_target`` (default): the smallest τ whose gate fires on at most that share of
       filler turns (the cost-bounded rule);
     - ``probe_target``: the largest τ that still fires on at least that share of the probes
-      whose answer eviction broke (the recall-bounded rule; fillers pay what they pay).
+      whose answer eviction broke (the recall-bounded rule; fillers pay what they pay);
+    - ``adaptive`` (an agent.calibration.Adaptive): τ by the filler rule is the floor, and each turn's
+      threshold rises with its conversation's recent statistics (:func:`adaptive_thresholds`); the figures
+      are those of the gate as the agent runs it.
     """
     groups = paired_steps(doc, (policy.split("@", 1)[0],))
     keys = [k for k in groups if k[0] == policy and k[2] == protocol and (budget is None or k[1] == budget)]
     if not keys:
         raise ValueError(f"no {policy} runs{' at ' + budget if budget else ''} ({protocol}) to calibrate on")
-    steps = [s for k in keys for s in groups[k]]
+    steps = [{**s, "_run": (k, s["script"], s["seed"])} for k in keys for s in groups[k]]
 
     def tau_for(sample: list[dict[str, Any]]) -> float | None:
         if probe_target is not None:
@@ -311,18 +363,7 @@ def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budg
         return float(np.nextafter(cut, math.inf))
 
     def apply(sample: list[dict[str, Any]], tau: float | None) -> dict[str, Any]:
-        probes = [s for s in sample if s["kind"] == "probe" and s.get("correct") is not None]
-        fillers = [s for s in sample if s["kind"] == "filler"]
-
-        def fired(s: dict[str, Any]) -> bool:
-            v = statistics_of(s).get(statistic)
-            return tau is not None and v is not None and v >= tau
-
-        return {"recall": float(np.mean([bool(p["full"]["correct"]) if fired(p) else bool(p["correct"])
-                                         for p in probes])) if probes else None,
-                "probe_gate_rate": float(np.mean([fired(p) for p in probes])) if probes else None,
-                "filler_gate_rate": float(np.mean([fired(f) for f in fillers])) if fillers else None,
-                "turn_gate_rate": float(np.mean([fired(s) for s in sample])) if sample else None}
+        return gate_figures(sample, statistic, tau, adaptive)
 
     tau = tau_for(steps)
     scripts = sorted({s["script"] for s in steps})
@@ -333,9 +374,11 @@ def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budg
             test = [s for s in steps if s["script"] == name]
             t = tau_for(train)
             held_out.append({"script": name, "tau": t, **apply(test, t)})
+    rule = "probes" if probe_target is not None else "adaptive" if adaptive is not None else "fillers"
     return {"statistic": statistic, "policy": policy, "budgets": sorted({k[1] for k in keys}),
-            "protocol": protocol, "rule": "probes" if probe_target is not None else "fillers",
+            "protocol": protocol, "rule": rule,
             "filler_target": None if probe_target is not None else filler_target, "probe_target": probe_target,
+            **({"adaptive": {"factor": adaptive.factor, "window": adaptive.window}} if adaptive is not None else {}),
             "tau": tau, "in_sample": apply(steps, tau),
             "leave_one_script_out": held_out}
 
@@ -360,6 +403,15 @@ def coverage(cells: list[dict[str, Any]]) -> dict[str, Any]:
             "median_ratio_error_to_certificate": float(np.median(err / np.maximum(cert, 1e-30)))}
 
 
+def _adaptive_rule(statistic: str) -> list[dict[str, Any]]:
+    """The adaptive rule's calibrate() arguments for a sketch statistic (the only kind it is fitted for)."""
+    if not statistic.startswith("sketch."):
+        return []
+    from agent.calibration import Adaptive  # noqa: PLC0415
+
+    return [{"filler_target": ADAPTIVE_FILLER_TARGET, "adaptive": Adaptive(*ADAPTIVE)}]
+
+
 # -- running and rendering -----------------------------------------------------------------
 def analyse(name: str, doc: dict[str, Any]) -> dict[str, Any]:
     meta = doc["meta"]
@@ -374,7 +426,7 @@ def analyse(name: str, doc: dict[str, Any]) -> dict[str, Any]:
             for statistic in row["statistics"]:
                 if statistic in ("confidence", "turn_index"):
                     continue  # baselines, not gate statistics the agent computes
-                for rule in ({}, {"probe_target": 1.0}):
+                for rule in ({}, {"probe_target": 1.0}, *_adaptive_rule(statistic)):
                     try:
                         calibrations.append(calibrate(doc, statistic, row["policy"], row["budget"], row["protocol"],
                                                       **rule))
@@ -388,6 +440,8 @@ def analyse(name: str, doc: dict[str, Any]) -> dict[str, Any]:
                 for statistic in sorted({n for r in mine for n in r["statistics"]} - {"confidence", "turn_index"}):
                     calibrations.append(calibrate(doc, statistic, policy, None, protocol))
                     calibrations.append(calibrate(doc, statistic, policy, None, protocol, probe_target=1.0))
+                    for rule in _adaptive_rule(statistic):
+                        calibrations.append(calibrate(doc, statistic, policy, None, protocol, **rule))
         return {"study": name, "meta": meta, "rows": rows, "calibration": calibrations}
     raise ValueError(f"unknown study {name!r}")
 
@@ -409,6 +463,7 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
     shown = certificate.shipped_records() if calibration.is_certificate_statistic(statistic) else None
     return {"statistic": statistic, "tau": best["tau"], "certificate": shown, "rule": rule,
             "filler_target": best["filler_target"],
+            **({"adaptive": best["adaptive"]} if best.get("adaptive") else {}),
             # the replays' eviction timing (results without it predate the setting: "question")
             "evict_at": result["meta"].get("design", {}).get("evict_at", "question"),
             "probe_target": best.get("probe_target"),
@@ -513,8 +568,9 @@ def render(result: dict[str, Any]) -> str:
                              f"| {at_text} | {over_p} |")
         if result.get("calibration"):
             lines += ["", "Calibration (rule 'fillers': the smallest τ with filler gate rate ≤ target; rule "
-                      "'probes': the largest τ that gates that share of the eviction-broken probes; last column: "
-                      "leave-one-script-out mean):", "",
+                      "'probes': the largest τ that gates that share of the eviction-broken probes; rule "
+                      "'adaptive': each turn's bar rises with its conversation's recent statistics above a floor "
+                      "τ; last column: leave-one-script-out mean):", "",
                       "| statistic | rule | budget | protocol | τ | recall | probe gate rate | filler gate rate "
                       "| held-out recall / filler rate |", "|---|---|---|---|---|---|---|---|---|"]
             for c in result["calibration"]:
@@ -524,8 +580,11 @@ def render(result: dict[str, Any]) -> str:
                 ho_text = (f"{_f(float(np.mean(ho_recall)))} / {_f(float(np.mean(ho_filler)))}"
                            if ho_recall and ho_filler else "—")
                 ins = c["in_sample"]
-                rule = (f"fillers ≤ {c['filler_target']:.0%}" if c.get("rule", "fillers") == "fillers"
-                        else f"probes ≥ {c['probe_target']:.0%}")
+                kind = c.get("rule", "fillers")
+                rule = (f"fillers ≤ {c['filler_target']:.0%}" if kind == "fillers"
+                        else f"probes ≥ {c['probe_target']:.0%}" if kind == "probes"
+                        else f"adaptive: max(τ, {c['adaptive']['factor']:g} × median of the last "
+                             f"{c['adaptive']['window']}), τ at fillers ≤ {c['filler_target']:.1%}")
                 lines.append(f"| {c['statistic']} | {rule} | {', '.join(c['budgets'])} | {c['protocol']} "
                              f"| {_f(c['tau'], 4)} "
                              f"| {_f(ins['recall'])} | {_f(ins['probe_gate_rate'])} | {_f(ins['filler_gate_rate'])} "
