@@ -275,6 +275,20 @@ class Gate:
                                             calibration.adaptive(self.statistic, self.config.evict_at))
         return gate if isinstance(gate, float) else None
 
+    def implicating_level(self, tau: float) -> float:
+        """The anomaly at which a message counts as implicated when a turn fired at bar ``tau``: the bar itself for
+        a fixed τ; for an adaptive one, the calibrated floor or the conversation's ordinary turn peak (the median
+        the bar multiplies), whichever is higher — the bar decides whether the turn stands out, and every message
+        above the ordinary peak is part of what it points at (the bar alone would bring back only the top one)."""
+        if parse_gate(self.config.gate) != "auto":
+            return tau
+        floor = calibration.default_tau(self.statistic, self.config.evict_at)
+        rule = calibration.adaptive(self.statistic, self.config.evict_at)
+        if floor is None or rule is None or not self._recent:
+            return tau
+        ordinary = float(np.median(np.asarray(self._recent[-rule.window:], dtype=np.float64)))
+        return min(tau, max(floor, ordinary))
+
     def certificate_form(self, rounds: int) -> CertificateForm:
         """The certificate shown for this policy, model and budget after ``rounds`` eviction rounds
         (agent.certificate)."""
@@ -465,8 +479,8 @@ class Gate:
                       free_cells: int) -> tuple[TargetedRead | None, str]:
         """The messages a question-phase firing brings back, or (None, why the whole history is re-read instead).
 
-        Only a sketch statistic names messages. The messages whose own anomaly reaches τ are the implicated
-        ones (at most :data:`MAX_TARGETED`, else the attention is spread); they come back whole (every evicted
+        Only a sketch statistic names messages. The messages whose own anomaly reaches τ (an adaptive τ's
+        :meth:`implicating_level`) are the implicated ones (at most :data:`MAX_TARGETED`, else the attention is spread); they come back whole (every evicted
         run), most anomalous first, as many as fit ``reread_budget`` — when those hold at least :data:`COVER` of
         the implicated mass. ``logged``: the log's re-readable messages by index (exact token ids), checked
         against the positions the engine fed them at and the tokens still live there — on any disagreement the
@@ -477,8 +491,9 @@ class Gate:
         if not self.statistic.startswith("sketch.") or decision.uncertified or tau is None:
             return None, "the uncertified sample names no message" if decision.uncertified else \
                 f"the gate read {self.statistic}, which names no message"
+        level = self.implicating_level(tau)
         ranked = sorted(self.turn.anomalies.items(), key=lambda kv: -kv[1])
-        chosen = [index for index, anomaly in ranked if math.isfinite(anomaly) and anomaly >= tau]
+        chosen = [index for index, anomaly in ranked if math.isfinite(anomaly) and anomaly >= level]
         if not chosen:
             return None, "no single evicted message stands out"
         if len(chosen) > MAX_TARGETED:

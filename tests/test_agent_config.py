@@ -107,7 +107,7 @@ def test_adaptive_tau_follows_the_conversation(tmp_path: Path, monkeypatch: pyte
         assert gate.threshold() == 5.0
         for value in (1.0, 2.0, 1.5):  # a quiet chat: the floor holds
             turn(value)
-        assert gate.threshold() == 5.0
+        assert gate.threshold() == 5.0 and gate.implicating_level(5.0) == 5.0
         decision = gate.question_decision()
         assert decision.threshold == 5.0 and not decision.fire
         for value in (12.0, 14.0, 10.0):  # a chat whose ordinary turns read high raises its own bar
@@ -118,6 +118,8 @@ def test_adaptive_tau_follows_the_conversation(tmp_path: Path, monkeypatch: pyte
         assert not gate.question_decision().fire  # 20 would pass a fixed τ of 5
         gate.turn.sketch = {"sketch.max": 30.0}
         assert gate.question_decision().fire
+        # the messages it brings back: those above the chat's ordinary peak (the median 12), not only the bar
+        assert gate.implicating_level(24.0) == pytest.approx(12.0)
         gate.discard_turn()  # an independent probe, rolled back
         gate.begin_turn()
         assert gate.threshold() == pytest.approx(24.0)
@@ -128,6 +130,6 @@ def test_adaptive_tau_follows_the_conversation(tmp_path: Path, monkeypatch: pyte
             fixed.begin_turn()
             fixed.turn.sketch = {"sketch.max": value}
         fixed.begin_turn()
-        assert fixed.threshold() == 7.5
+        assert fixed.threshold() == 7.5 and fixed.implicating_level(7.5) == 7.5
     finally:
         calibration.load.cache_clear()

@@ -351,8 +351,9 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             if fired:
                 ax.scatter([p[0] for p in fired], [p[1] for p in fired], marker="o", s=16, facecolors="none",
                            edgecolors="k", lw=0.6, label="gate fired" if i == len(cert) - 1 else None)
-        for tau in {r.get("gate_threshold") for r in cert} - {None}:
-            ax.axhline(tau, color="k", lw=0.8, ls="--")
+        report.plot_thresholds(ax, cert)
+        # the sketch's anomaly spans 1 to hundreds: linear below 1 (a certificate's range), logarithmic above
+        ax.set_yscale("symlog", linthresh=1.0)
         ax.set_xlabel("user turn")
         ax.set_ylabel("turn certificate (gate statistic)")
         ax.set_title(f"Certificate by turn: {name} ({tail}); dashed: τ", fontsize=9)

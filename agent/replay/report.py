@@ -27,6 +27,20 @@ def certified(policy: str) -> bool:
 POLICY_LABEL = {"poisson+gate": "poisson+gate (certchat)"}
 
 
+def plot_thresholds(ax: Any, runs: list[dict[str, Any]]) -> None:
+    """τ as dashed lines: a fixed τ across the plot, an adaptive one (each turn's own bar, recorded per step)
+    as a dashed step line per gated run."""
+    fixed: set[float] = set()
+    for r in runs:
+        bars = [(s["turn"], s["gate_threshold"]) for s in r["steps"] if s.get("gate_threshold") is not None]
+        if len({b for _, b in bars}) > 1:
+            ax.step([t for t, _ in bars], [b for _, b in bars], where="mid", color="k", lw=0.8, ls="--")
+        else:
+            fixed |= {b for _, b in bars} or ({r["gate_threshold"]} - {None})
+    for tau in fixed:
+        ax.axhline(tau, color="k", lw=0.8, ls="--")
+
+
 def machine() -> str:
     """A one-line description of this machine (CPU cores, model name, GPU if any)."""
     cpu = platform.processor() or platform.machine()
@@ -185,9 +199,7 @@ def plots(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
                    if s["kind"] == kind and s["certificate"] is not None]
             if pts:
                 ax.scatter(*zip(*pts), marker=marker, s=14, label=kind, alpha=0.7)
-        taus = {r.get("gate_threshold") for r in cert_runs} - {None}
-        for tau in taus:
-            ax.axhline(tau, color="k", lw=0.8, ls="--")
+        plot_thresholds(ax, cert_runs)
         ax.set_xlabel("user turn")
         ax.set_ylabel("turn certificate (gate statistic)")
         ax.set_title(f"Gate statistic per turn ({title_tail})", fontsize=9)
