@@ -64,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "RESULTS.md")
     args = parser.parse_args(argv)
 
+    seen: dict[str, str] = {}
+    for spec in args.section:
+        title = spec.split("=", 1)[0]
+        if (slug := _slug(title)) in seen:
+            parser.error(f"--section titles {seen[slug]!r} and {title!r} name the same plot files ({slug}-*.png): "
+                         "make them differ in their first 40 characters")
+        seen[slug] = title
     out: Path = args.out
     out_dir = out.parent
     plots_dir = out_dir / "results"
