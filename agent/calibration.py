@@ -46,12 +46,17 @@ class Adaptive:
     factor: float
     window: int
 
+    def ordinary(self, recent: Sequence[float]) -> float:
+        """The conversation's ordinary turn statistic: the median of its last ``window`` (``recent`` non-empty,
+        oldest first)."""
+        return float(np.median(np.asarray(recent[-self.window:], dtype=np.float64)))
+
 
 def adaptive_tau(tau: float, recent: Sequence[float], rule: Adaptive | None) -> float:
     """The threshold of the next turn, given the conversation's earlier turn statistics (oldest first)."""
     if rule is None or not recent:
         return tau
-    return max(tau, rule.factor * float(np.median(np.asarray(recent[-rule.window:], dtype=np.float64))))
+    return max(tau, rule.factor * rule.ordinary(recent))
 
 
 @dataclass(frozen=True)

@@ -286,8 +286,7 @@ class Gate:
         rule = calibration.adaptive(self.statistic, self.config.evict_at)
         if floor is None or rule is None or not self._recent:
             return tau
-        ordinary = float(np.median(np.asarray(self._recent[-rule.window:], dtype=np.float64)))
-        return min(tau, max(floor, ordinary))
+        return min(tau, max(floor, rule.ordinary(self._recent)))
 
     def certificate_form(self, rounds: int) -> CertificateForm:
         """The certificate shown for this policy, model and budget after ``rounds`` eviction rounds

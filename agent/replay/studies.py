@@ -35,13 +35,13 @@ import numpy as np
 
 RATES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 FILLER_TARGET = 0.1
+"""Calibration target: the default τ lets the gate fire on at most this share of filler turns."""
 ADAPTIVE = (2.0, 20)
 """The adaptive τ's factor and window (agent.calibration.adaptive_tau), chosen on the calibration replays by
 ``scripts/adaptive_gate_grid.py``: the middle of the settings that keep every calibration probe's recall."""
 ADAPTIVE_FILLER_TARGET = 0.025
 """The adaptive τ's floor: the filler rule at this share of calibration fillers (a quiet chat's bar; a loud one
 raises its own)."""
-"""Calibration target: the default τ lets the gate fire on at most this share of filler turns."""
 
 
 # -- statistics --------------------------------------------------------------------------
@@ -311,19 +311,15 @@ def gate_figures(sample: list[dict[str, Any]], statistic: str, tau: float | None
     """Recall and gate rates of a gate on ``statistic`` at τ (adaptive or not) over paired steps: a gated probe
     answers as the full cache did."""
     bars = adaptive_thresholds(sample, statistic, tau, adaptive)
-    fired_at = {id(s): (bar is not None and (v := statistics_of(s).get(statistic)) is not None and v >= bar)
-                for s, bar in zip(sample, bars)}
-    probes = [s for s in sample if s["kind"] == "probe" and s.get("correct") is not None]
-    fillers = [s for s in sample if s["kind"] == "filler"]
-
-    def fired(s: dict[str, Any]) -> bool:
-        return fired_at[id(s)]
-
-    return {"recall": float(np.mean([bool(p["full"]["correct"]) if fired(p) else bool(p["correct"])
-                                     for p in probes])) if probes else None,
-            "probe_gate_rate": float(np.mean([fired(p) for p in probes])) if probes else None,
-            "filler_gate_rate": float(np.mean([fired(f) for f in fillers])) if fillers else None,
-            "turn_gate_rate": float(np.mean([fired(s) for s in sample])) if sample else None}
+    fired = [bar is not None and (v := statistics_of(s).get(statistic)) is not None and v >= bar
+             for s, bar in zip(sample, bars)]
+    probes = [(s, f) for s, f in zip(sample, fired) if s["kind"] == "probe" and s.get("correct") is not None]
+    fillers = [f for s, f in zip(sample, fired) if s["kind"] == "filler"]
+    return {"recall": float(np.mean([bool(p["full"]["correct"]) if f else bool(p["correct"])
+                                     for p, f in probes])) if probes else None,
+            "probe_gate_rate": float(np.mean([f for _, f in probes])) if probes else None,
+            "filler_gate_rate": float(np.mean(fillers)) if fillers else None,
+            "turn_gate_rate": float(np.mean(fired)) if sample else None}
 
 
 def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budget: str | None = None,
