@@ -144,13 +144,20 @@ SHARE_FLOOR = 1e-4
 infinitely anomalous on noise."""
 
 
-def recorded_ratios(messages: dict[str, dict[str, Any]], skip: Collection[int] = ()) -> dict[int, np.ndarray]:
+def recorded_shares(messages: dict[str, dict[str, Any]],
+                    skip: Collection[int] = ()) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """From a turn's recorded ``sketch.messages`` (see :meth:`Gate.read_sketch`): per message more than half
-    evicted with a baseline (and not in ``skip``), its ratio share / max(base, SHARE_FLOOR) in each sketch layer —
-    what ``sketch.max`` takes the largest of, recomputed offline for any subset of the recorded layers."""
-    return {int(m): np.asarray(v["share"], float) / np.maximum(np.asarray(v["base"], float), SHARE_FLOOR)
+    evicted with a baseline (and not in ``skip``) — the messages ``sketch.max`` ranges over — its share and its
+    baseline in each sketch layer."""
+    return {int(m): (np.asarray(v["share"], float), np.asarray(v["base"], float))
             for m, v in messages.items()
             if v["base"] is not None and v["evicted"] > v["live"] and int(m) not in skip}
+
+
+def recorded_ratios(messages: dict[str, dict[str, Any]], skip: Collection[int] = ()) -> dict[int, np.ndarray]:
+    """Per message of :func:`recorded_shares`, its ratio share / max(base, SHARE_FLOOR) in each sketch layer —
+    what ``sketch.max`` takes the largest of, recomputed offline for any subset of the recorded layers."""
+    return {m: share / np.maximum(base, SHARE_FLOOR) for m, (share, base) in recorded_shares(messages, skip).items()}
 
 
 def _sig(x: Any) -> Any:

@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.gate import SHARE_FLOOR  # noqa: E402
+from agent.gate import SHARE_FLOOR, recorded_shares  # noqa: E402
 from agent.replay import aggregate  # noqa: E402
 from agent.replay.studies import auc, spearman  # noqa: E402
 
@@ -61,12 +61,7 @@ STATISTICS: dict[str, Callable[[Rows], float]] = {
 
 def message_rows(detail: dict[str, Any]) -> Rows:
     """The messages ``sketch.max`` ranges over: more than half evicted, with a baseline."""
-    out: Rows = []
-    for v in (detail.get("sketch.messages") or {}).values():
-        if v.get("base") is None or v["evicted"] <= v["live"]:
-            continue
-        out.append((np.asarray(v["share"], dtype=np.float64), np.asarray(v["base"], dtype=np.float64)))
-    return out
+    return list(recorded_shares(detail.get("sketch.messages") or {}).values())
 
 
 @dataclass
