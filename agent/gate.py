@@ -257,6 +257,8 @@ class Gate:
         self.copy: ReadCopy | None = None
         self._paid: dict[int, list[np.ndarray]] = {}
         """Per message index: its attention share in each sketch layer at every earlier turn (the baselines)."""
+        self._paid_layers: tuple[int, ...] | None = None
+        """The sketch layers the baselines in ``_paid`` were read in (None: none read yet)."""
         self._recent: list[float] = []
         """The conversation's earlier turn statistics, oldest first (what an adaptive τ follows)."""
 
@@ -334,8 +336,43 @@ class Gate:
         """A new or reopened conversation: no copy, no baselines, no recent statistics."""
         self.copy = None
         self._paid = {}
+        self._paid_layers = None
         self._recent = []
         self.turn = TurnCertificates()
+
+    def history_record(self) -> dict[str, Any]:
+        """What a reopened conversation needs of this turn to gate as it would have without closing
+        (:meth:`restore`): the turn statistic an adaptive τ follows, and the share of the question's attention
+        on each message in each sketch layer, from which the messages' baselines are medians."""
+        turn = self.turn
+        out: dict[str, Any] = {}
+        value = turn.statistics(self.decision_form()).get(self.statistic)
+        if value is not None and math.isfinite(value):
+            out["statistic"], out["value"] = self.statistic, float(value)
+        if turn.shares:
+            out["layers"] = list(turn.sketch_layers)
+            out["shares"] = {str(m): _sig(share) for m, share in turn.shares.items()}
+        return out
+
+    def restore(self, records: Sequence[dict[str, Any]]) -> None:
+        """Continue a logged conversation: ``records`` are its kept turns' :meth:`history_record`, oldest first.
+        A value recorded under another statistic is not one of this gate's recent ones, and shares read in other
+        sketch layers than the latest turn's are no baseline for them."""
+        self.new_conversation()
+        for record in records:
+            if record.get("statistic") == self.statistic and isinstance(record.get("value"), (int, float)):
+                self._recent.append(float(record["value"]))
+            shares = record.get("shares")
+            if shares:
+                self._keep_baselines(tuple(int(x) for x in record.get("layers", ())))
+                for message, share in shares.items():
+                    self._paid.setdefault(int(message), []).append(np.asarray(share, dtype=np.float64))
+
+    def _keep_baselines(self, layers: tuple[int, ...]) -> None:
+        """Baselines are per sketch layer: read in other layers, they are dropped."""
+        if self._paid_layers is not None and layers != self._paid_layers:
+            self._paid = {}
+        self._paid_layers = layers
 
     def discard_turn(self) -> None:
         """The turn was rolled back (an independent probe): what it paid each message is no baseline, and its
@@ -398,6 +435,7 @@ class Gate:
         cache_pos = np.asarray(engine.cache.positions, dtype=np.int64)
         pi = np.exp(np.asarray(engine.cache.logpi, dtype=np.float64))
         stored = score.messages
+        self._keep_baselines(tuple(int(x) for x in layers))
         n_msg = int(max(segs.max(initial=0), stored.max(initial=0))) + 1
         kept = np.zeros((len(layers), n_msg))
         for li, layer in enumerate(layers):

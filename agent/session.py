@@ -190,12 +190,16 @@ class ChatSession:
         claimed for this process first, so a second writer is refused before the re-read."""
         self.store.claim_conversation(conversation_id)
         self.conversation_id = conversation_id
-        self.gate.new_conversation()
+        logged = self.store.turns(conversation_id)
+        # a rolled-back turn's answer is logged discarded; a replaced one (teacher forcing) was answered and kept
+        rolled_back = {m.id for m in self.store.messages(conversation_id)
+                       if m.meta.get("discarded") and not m.meta.get("replaced")}
+        # the gate goes on from the log: its recent statistics and the messages' baselines, as if never closed
+        self.gate.restore([t.extra.get("gate", {}) for t in logged if t.message_id not in rolled_back])
         self.engine.reset()
         self.memory.reset(round=self.store.next_eviction_round(conversation_id))
         self._segments = []
-        self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired)
-                            for i, t in enumerate(self.store.turns(conversation_id))]
+        self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired) for i, t in enumerate(logged)]
         self.memory.set_readout(True)
         self._read_history(self._plan_reread(), on_event=on_event, keep_copy=True)
         self.memory.after_prefill()
@@ -706,7 +710,7 @@ class ChatSession:
             prefill_s=result.prefill_ms / 1000.0, decode_s=result.decode_ms / 1000.0,
             tokens_per_s=result.decode_tok_s, seed=self.config.seed,
             extra={"stop": result.stop, "logprob_mean": result.logprob_mean, "budget": self.config.budget,
-                   "restored_tokens": result.restored_tokens,
+                   "restored_tokens": result.restored_tokens, "gate": self.gate.history_record(),
                    **({"reread_path": result.reread_path, "reread_messages": result.reread_messages}
                       if result.reread_path else {}),
                    **({"eviction_error": str(eviction_error)} if eviction_error is not None else {}),

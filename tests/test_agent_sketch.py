@@ -109,3 +109,30 @@ def test_the_sketch_needs_a_sampled_design_and_valid_layers(engine: Engine, tmp_
         _config(sketch_layers="ten")
     with pytest.raises(ConfigError, match="sketch_bits"):
         _config(sketch_bits=6)
+
+
+def test_a_reopened_conversation_gates_on_the_baselines_and_recent_statistics_it_had(engine: Engine,
+                                                                                     tmp_path: Path) -> None:
+    s = ChatSession(_config(gate="auto"), Store(tmp_path / "log.db"), engine, "smollm2-135m")
+    for text in FACTS + FILLERS:
+        drive.forced(s, text, "Noted.")
+    drive.independent(s, "Tell me a joke.")  # rolled back: neither a baseline nor a recent statistic
+    bar = s.gate.threshold()
+    first = drive.independent(s, "What is my locker code?").certificate_detail["sketch.messages"]
+
+    # closed and reopened: the history is re-read and evicted anew (another sample, another sketch), but what
+    # earlier questions paid each message, and the conversation's recent statistics, come back from the log
+    s2 = ChatSession(s.config, s.store, engine, "smollm2-135m", conversation_id=s.conversation_id)
+    assert s2.gate.threshold() == pytest.approx(bar)
+    again = drive.independent(s2, "What is my locker code?").certificate_detail["sketch.messages"]
+    both = sorted(set(first) & set(again))
+    assert both, "messages evicted in both samples"
+    for m in both:
+        assert first[m]["base"] is not None, "nine turns of history give every evicted message a baseline"
+        assert again[m]["base"] is not None, "the reopened chat has the baselines back"
+        np.testing.assert_allclose(again[m]["base"], first[m]["base"], rtol=1e-3)
+
+    # a fresh gate over the same log would have no baselines: the restore is what carries them
+    s2.gate.new_conversation()
+    fresh = drive.independent(s2, "What is my locker code?").certificate_detail["sketch.messages"]
+    assert all(r["base"] is None for r in fresh.values())
