@@ -14,6 +14,12 @@ dependent, so each calibration conversation is held to nominal). Coverage of the
 scripts per model, budget and protocol (and in-sample, separately), beside a k fitted the same way without
 the drift term and the uncalibrated z forms. --write saves agent/certificate_calibration.json, naming the
 data that fixed it.
+
+Where the cells carry phase 1 (studies since the thirteenth session: ``evicted_mass`` per cell, and per question the
+product's ``sketch_evicted_mass``), it also fits the two-phase form k·sqrt(V̂ + (λ_l + μ_l m²)‖ô‖²), whose evicted
+part grows with the question's attention share m on the evicted cells — m exact per cell (what a full-precision
+sketch of every layer would give), and m the product's sketch reading of the question — and reports its held-out
+coverage and Spearman beside the shipped form (docs/POISSON.md, "Both phases in the certificate").
 """
 from __future__ import annotations
 
@@ -37,19 +43,59 @@ def load(study: Path) -> list[dict]:
                          "summaries only; rerun the study command in their study-coverage.json to get the cells)")
     meta = json.loads((study / "study-coverage.json").read_text())["meta"]
     turns = json.loads((study / "coverage-turns.json").read_text())
-    z = np.load(study / "coverage-cells.npz")
-    labels = sorted({k.split("|")[0] for k in z.files})
+    z = dict(np.load(study / "coverage-cells.npz"))
+    if (study / "coverage-phase1.npz").exists():
+        # phase 1 of a later run of the same study, its other columns bit for bit these (the committed folders)
+        z.update(np.load(study / "coverage-phase1.npz"))
+    labels = sorted({k.split("|")[0] for k in z})
     out = []
     for label in labels:
-        cells = {k.split("|")[1]: z[k] for k in z.files if k.startswith(label + "|")}
+        cells = {k.split("|")[1]: z[k] for k in z if k.startswith(label + "|")}
         t = cells["turn"].astype(int)
         certified = ~np.array([x["uncertified"] for x in turns], dtype=bool)[t]
         script = np.array([x["script"] for x in turns])[t]
+        sketched = [x.get("sketch_evicted_mass") for x in turns]
+        if "evicted_mass" in cells and all(m is not None for m in np.asarray(sketched, dtype=object)[t]):
+            cells["sketch_evicted_mass"] = np.asarray(sketched, dtype=np.float64)[t]
         policy, budget, protocol = label.rsplit(" ", 2)
         out.append({"model": meta["model"], "policy": policy, "budget": budget, "protocol": protocol,
                     "command": meta["command"], "machine": meta.get("machine"), "commit": meta.get("commit"),
                     "cells": {k: v[certified] for k, v in cells.items()}, "script": script[certified]})
     return out
+
+
+def fit_two_phase(err: np.ndarray, v_hat: np.ndarray, o_norm2: np.ndarray, layer: np.ndarray, mass: np.ndarray,
+                  n_layer: int, groups: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """k, λ and μ of k·sqrt(V̂ + (λ_l + μ_l m²)‖ô‖²): per layer the least-squares fit (λ, μ ≥ 0) of the excess
+    (err² − V̂)/‖ô‖² on 1 and m² (the evicted part of the error is the evicted share m times how far the evicted
+    values sit from the output), then k the largest of the groups' conformal quantiles, as the shipped fit."""
+    err, v, o2, m = (np.asarray(x, dtype=np.float64) for x in (err, v_hat, o_norm2, mass))
+    lay = np.asarray(layer, dtype=np.int64)
+    y = np.where(o2 > 0, (err ** 2 - np.maximum(v, 0.0)) / np.where(o2 > 0, o2, 1.0), 0.0)
+    lam, mu = np.zeros(n_layer), np.zeros(n_layer)
+    for l in range(n_layer):
+        sel = (lay == l) & (o2 > 0)
+        if not sel.any():
+            continue
+        x, t = m[sel] ** 2, y[sel]
+        a, b = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), t, rcond=None)[0]
+        if a < 0 or b < 0:  # the better of the two one-term fits, each non-negative
+            a1 = max(0.0, float(t.mean()))
+            b1 = max(0.0, float(x @ t / (x @ x))) if x @ x > 0 else 0.0
+            a, b = (a1, 0.0) if ((t - a1) ** 2).sum() <= ((t - b1 * x) ** 2).sum() else (0.0, b1)
+        lam[l], mu[l] = a, b
+    scale = np.sqrt(np.maximum(v, 0.0) + (lam[lay] + mu[lay] * m ** 2) * o2)
+    k = max(certificate.conformal_multiplier(err[groups == g], scale[groups == g]) for g in np.unique(groups))
+    return k, lam, mu
+
+
+def two_phase_coverage(cells: dict[str, np.ndarray], mass: np.ndarray, k: float, lam: np.ndarray,
+                       mu: np.ndarray) -> tuple[float, float]:
+    from agent.replay import studies  # noqa: PLC0415
+
+    lay = cells["layer"].astype(np.int64)
+    cert = k * np.sqrt(np.maximum(cells["v_hat"], 0.0) + (lam[lay] + mu[lay] * mass ** 2) * cells["o_norm2"])
+    return float(np.mean(cells["err"] <= cert)), float(studies.spearman(cert, cells["err"]))
 
 
 def subset(entry: dict, scripts: set[str]) -> dict[str, np.ndarray]:
@@ -94,6 +140,13 @@ def main() -> int:
         k_only = certificate.conformal_multiplier(c[args.error], np.sqrt(np.maximum(c["v_hat"], 0.0)))
         # the same fit on the page form of V̂ (numpy, the design drawn): what computing it in the graph would buy
         paged = certificate.fit(c[args.error], c["v_hat_page_np"], c["o_norm2"], c["layer"], n_layer, groups=script)
+        # phase 1 in the certificate: exact per cell, and as the product's sketch read the question
+        phase1 = {}
+        for name in ("evicted_mass", "sketch_evicted_mass"):
+            if all(name in p for p in parts):
+                mass = np.concatenate([p[name] for p in parts])
+                phase1[name] = fit_two_phase(c[args.error], c["v_hat"], c["o_norm2"], c["layer"], mass, n_layer,
+                                             script)
         records.append({"policy": mine[0]["policy"], "model": model, "budget": budget, "rounds": rounds,
                         "multiplier": fitted.multiplier,
                         "drift": list(fitted.drift), "n_layer": n_layer,
@@ -118,6 +171,8 @@ def main() -> int:
                 cellwise = capture.coverage_forms(cells, CertificateForm((pooled,)), n_layer)["shipped"]["coverage"]
                 page = capture.coverage_forms({**cells, "v_hat": cells["v_hat_page_np"]},
                                               CertificateForm((paged,)), n_layer)["shipped"]
+                two = {name: two_phase_coverage(cells, cells[name], *fitted2) for name, fitted2 in phase1.items()
+                       if name in cells}
                 table.append({"model": model, "budget": budget, "protocol": e["protocol"], "split": split,
                               "k": fitted.multiplier, "drift_median": float(np.median(fitted.drift)),
                               "n_cells": forms["shipped"]["n_cells"],
@@ -127,24 +182,33 @@ def main() -> int:
                               "page_fit": page["coverage"], "page_fit_spearman": page["spearman"],
                               "z_token": forms["z_token"]["coverage"], "z_page": forms["z_page"]["coverage"],
                               "sample_error_coverage": forms["shipped_vs_sample_error"]["coverage"],
-                              "page_over_token": forms["z_page"]["page_over_token_variance_median"]})
+                              "page_over_token": forms["z_page"]["page_over_token_variance_median"],
+                              "two_phase_exact": two.get("evicted_mass"), "two_phase_sketch": two.get("sketch_evicted_mass")})
     lines = [f"Certificate fitted on {sorted(cal)} (error `{args.error}`), checked on {sorted(held)}; nominal 95%. "
              "k·√(V̂+λ‖ô‖²): the certificate shown (k the largest of the calibration scripts' conformal "
              "quantiles, and λ per layer with its median here); pooled k: the same form with k the quantile pooled "
              "over all calibration cells; k′·√V̂: a "
              "conformal multiplier k′ fitted over the cells without the drift term; page-form fit: the shown form "
-             "fitted on the page-form V̂ (numpy, the design drawn) instead of the graph's token form.", "",
+             "fitted on the page-form V̂ (numpy, the design drawn) instead of the graph's token form; two-phase: "
+             "k·√(V̂+(λ_l+μ_l m²)‖ô‖²) fitted the same way, m the question's attention share on the evicted cells, "
+             "exact per cell or as the product's sketch read it (— where the cells do not carry it).", "",
              "| model | budget | protocol | split | k | median λ | cells | coverage k·√(V̂+λ‖ô‖²) | Spearman "
              "| pooled k | coverage, pooled k | coverage k′·√V̂ | Spearman k′·√V̂ | page-form fit: coverage | Spearman | z·√V̂ token | z·√V̂ page "
-             "| shown vs sample error | median V̂_page/V̂_token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shown vs sample error | median V̂_page/V̂_token | two-phase, exact m: coverage / Spearman "
+             "| two-phase, sketch m: coverage / Spearman |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def pair(x: tuple[float, float] | None) -> str:
+        return "—" if x is None else f"{x[0]:.3f} / {x[1]:.3f}"
+
     for r in table:
         lines.append(f"| {r['model']} | {r['budget']} | {r['protocol']} | {r['split']} | {r['k']:.3f} "
                      f"| {r['drift_median']:.3f} | {r['n_cells']} | {r['coverage']:.3f} | {r['spearman']:.3f} "
                      f"| {r['k_pooled']:.3f} | {r['pooled']:.3f} "
                      f"| {r['k_only']:.3f} | {r['k_only_spearman']:.3f} | {r['page_fit']:.3f} "
                      f"| {r['page_fit_spearman']:.3f} | {r['z_token']:.3f} | {r['z_page']:.3f} "
-                     f"| {r['sample_error_coverage']:.3f} | {r['page_over_token']:.2f} |")
+                     f"| {r['sample_error_coverage']:.3f} | {r['page_over_token']:.2f} "
+                     f"| {pair(r['two_phase_exact'])} | {pair(r['two_phase_sketch'])} |")
     lines += ["", "Coverage of the certificate shown, per script (* calibration):", "",
               "| model | budget | protocol | per script |", "|---|---|---|---|"]
     for r in per_script:

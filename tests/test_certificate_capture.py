@@ -42,6 +42,8 @@ def test_numpy_reference_equals_the_graph_on_real_tensors(small_model: Path, tmp
         assert t["full_out_rel"] < 2e-2  # the full reference's numpy attention = the full graph's output
         assert t["mask_mismatch"] == 0.0
         assert t["rounds_logpi_gap"] < 1e-9
+        if t["label"].endswith("multi-round"):
+            assert t["sketch_evicted_mass"] > 0  # the product's phase 1 read the question, as in a chat
     cells = np.load(tmp_path / "out" / "coverage-cells.npz")
     for row in result["rows"]:
         label = f"{row['design']} {row['protocol']}"
@@ -52,3 +54,9 @@ def test_numpy_reference_equals_the_graph_on_real_tensors(small_model: Path, tmp
         # the page form is at least the token form's size here (pages of similar cells), never negative
         page = cells[f"{label}|v_hat_page_np"]
         assert np.all(page >= 0) and np.median(page / np.maximum(ref, 1e-30)) > 0.9
+        # phase 1 measured exactly (the full history's softmax on the evicted positions), the sample's own
+        # Horvitz-Thompson estimate of it, and the kept values' spread: shares and a spread, nothing else
+        exact, ht, spread = (cells[f"{label}|{k}"] for k in ("evicted_mass", "ht_evicted_mass", "spread"))
+        assert np.all((exact >= 0) & (exact <= 1 + 1e-9)) and exact.max() > 0
+        assert np.all((ht >= 0) & (ht <= 1 + 1e-6)) and ht.max() > 0
+        assert np.all(spread >= 0) and spread.max() > 0

@@ -59,6 +59,50 @@ def test_fit_with_drift_covers_at_nominal_held_out() -> None:
     assert plain == np.inf
 
 
+def _fit_script():
+    import importlib.util  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    path = Path(__file__).resolve().parents[1] / "scripts/fit_certificate_multiplier.py"
+    spec = importlib.util.spec_from_file_location("fit_certificate_multiplier", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_two_phase_fit_recovers_an_evicted_part_that_grows_with_the_evicted_share() -> None:
+    """Cells whose error beyond the sample's is a drift λ_l plus an evicted part μ_l m² (m: the question's share on
+    the evicted cells), relative to ‖ô‖²: the study's two-phase fit recovers λ and μ, covers held-out cells at
+    nominal (Binomial(4000, 0.95): outside [3764, 3833] with probability 0.1%), and ranks the errors better than
+    the shipped form, which sees no m."""
+    script = _fit_script()
+    rng = np.random.default_rng(20261203)
+    lam, mu = np.array([0.01, 0.04, 0.02]), np.array([0.5, 0.0, 2.0])
+
+    def cells(n: int) -> dict[str, np.ndarray]:
+        layer = rng.integers(0, 3, n)
+        o2 = rng.uniform(0.5, 4.0, n)
+        m = rng.beta(0.5, 3.0, n)
+        v_hat = o2 * rng.uniform(0.0, 0.02, n)
+        var = (v_hat + (lam[layer] + mu[layer] * m ** 2) * o2) / 8.0
+        err = np.linalg.norm(rng.normal(size=(n, 8)) * np.sqrt(var)[:, None], axis=1)
+        return {"layer": layer, "o_norm2": o2, "v_hat": v_hat, "err": err, "m": m}
+
+    cal, held = cells(20_000), cells(4_000)
+    k, lam_fit, mu_fit = script.fit_two_phase(cal["err"], cal["v_hat"], cal["o_norm2"], cal["layer"], cal["m"], 3,
+                                              np.zeros(20_000))
+    np.testing.assert_allclose(lam_fit, lam, atol=0.01)
+    np.testing.assert_allclose(mu_fit, mu, atol=0.15)
+    coverage, spearman = script.two_phase_coverage(held, held["m"], k, lam_fit, mu_fit)
+    assert 3_764 <= round(coverage * 4_000) <= 3_833
+    shipped = certificate.fit(cal["err"], cal["v_hat"], cal["o_norm2"], cal["layer"], 3)
+    _, spearman_shipped = script.two_phase_coverage(held, np.zeros(4_000), shipped.multiplier,
+                                                    np.asarray(shipped.drift), np.zeros(3))
+    assert spearman > spearman_shipped + 0.05
+
+
 def test_apply_maps_drift_by_depth_and_keeps_infinity() -> None:
     form = CertificateForm((Component(2.0, (0.0, 0.25)),))
     rel = np.array([[[0.0, np.inf], [0.0, 0.3]]])  # (rows, layers, heads)

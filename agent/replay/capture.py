@@ -342,13 +342,18 @@ def run_coverage_draws(scripts: list[Any], settings: Any, base: Any, draws: int 
 # graph on the same cells, so its weights, values and outputs are the ones the chat computed — and a
 # third context holds the full history, so the full cache's output for those rows is known too.
 
-CELL_FIELDS = ("layer", "head", "row", "err", "err_e2e", "err_design", "v_hat", "o_norm2", "v_hat_token_np", "v_hat_page_np")
+CELL_FIELDS = ("layer", "head", "row", "err", "err_e2e", "err_design", "v_hat", "o_norm2", "v_hat_token_np", "v_hat_page_np",
+               "evicted_mass", "ht_evicted_mass", "spread")
 """Per cell (question row × layer × head): ``err`` ‖ô − o‖ with o the full cache's output for the *same* query
 vector (the evicted run's), ``err_e2e`` against the full run's own output at that layer (earlier layers' and
 earlier rounds' drift included), ``err_design`` against the same query over this run's own K/V for the
 kept cells and the full run's for the evicted ones (the sample's error alone), ``v_hat``/``o_norm2`` the product's in-graph terms (what the gate turns into
 the certificate), ``v_hat_token_np`` the same token form recomputed in numpy from the captured tensors (a
-check), ``v_hat_page_np`` the page form (:func:`native.poisson.page_variance`) for the design drawn."""
+check), ``v_hat_page_np`` the page form (:func:`native.poisson.page_variance`) for the design drawn;
+``evicted_mass`` the share of the full-history softmax (the same query, the full run's keys) on the evicted
+positions — what an exact sketch of that layer estimates, phase 1 of the two-phase design —,
+``ht_evicted_mass`` the sample's own estimate of it, Σ_S (1 − π_i) p_i (what the −log π biases impute), and ``spread`` the
+kept values' attention-weighted spread Σ_S p_i‖v_i − ô‖² around the output (the graph's weights, with biases)."""
 
 
 class EvictedReplica:
@@ -434,6 +439,8 @@ def turn_cells(ev: dict[int, LayerCapture], full: dict[int, LayerCapture], rows:
 
     n = len(positions)
     n_full = int(positions[-1]) + 1
+    gone = np.ones(n_full, dtype=bool)
+    gone[positions] = False
     pi = np.exp(np.minimum(logpi, 0.0))
     cells_only = poisson.Stages.single(np.arange(n), pi)  # every cell its own unit, cumulative π: the graph's form
     cols: dict[str, list[np.ndarray]] = {f: [] for f in CELL_FIELDS}
@@ -482,7 +489,13 @@ def turn_cells(ev: dict[int, LayerCapture], full: dict[int, LayerCapture], rows:
             og = o_hat[heads].reshape(-1, o_hat.shape[2])
             pg = p[heads].reshape(-1, n)
             logits = scale * qg @ k_full.T + mask_g
-            o_same = _softmax_rows(logits) @ v_full
+            a_full = _softmax_rows(logits)
+            o_same = a_full @ v_full
+            evicted_mass = a_full[:, gone].sum(axis=1)
+            ht_evicted_mass = pg @ (1.0 - pi)
+            o2_np = np.einsum("rd,rd->r", og, og)
+            spread = np.maximum(pg @ np.einsum("nd,nd->n", v_ev, v_ev)
+                                - 2.0 * np.einsum("rd,rd->r", og, pg @ v_ev) + o2_np * pg.sum(axis=1), 0.0)
             o_design = _softmax_rows(scale * qg @ k_mix.T + mask_g) @ v_mix
             err = np.linalg.norm(og - o_same, axis=1)
             err_e2e = np.linalg.norm(og - f.out[heads][:, -rows:, :].reshape(-1, og.shape[1]).astype(np.float64),
@@ -510,7 +523,8 @@ def turn_cells(ev: dict[int, LayerCapture], full: dict[int, LayerCapture], rows:
             for name, val in (("layer", np.full(m, il)), ("head", np.repeat(heads, rows)),
                               ("row", np.tile(np.arange(rows), len(heads))), ("err", err), ("err_e2e", err_e2e),
                               ("err_design", err_design), ("v_hat", vg), ("o_norm2", o2), ("v_hat_token_np", vt),
-                              ("v_hat_page_np", vp)):
+                              ("v_hat_page_np", vp), ("evicted_mass", evicted_mass),
+                              ("ht_evicted_mass", ht_evicted_mass), ("spread", spread)):
                 cols[name].append(np.asarray(val, dtype=np.float64))
     out = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
     checks["token_np_vs_graph_rel_median"] = float(np.median(np.concatenate(rels))) if rels else 0.0
@@ -697,7 +711,10 @@ class ProductCoverage:
         turn = {"label": label, "script": script.name, "lineno": getattr(step, "lineno", None),
                 "kind": "probe" if getattr(step, "probe", None) is not None else "filler",
                 "uncertified": bool(gate.turn.uncertified), "cells_kv": int(len(positions)),
-                "history": int(n_total), "rounds": len(seen.rounds), "n_cells": int(len(cells["err"])), **checks}
+                "history": int(n_total), "rounds": len(seen.rounds), "n_cells": int(len(cells["err"])),
+                # phase 1 as the product read it (the sketch's layers, int8): the per-question scale a two-phase
+                # certificate could use where the cell's own layer has no sketch
+                "sketch_evicted_mass": (gate.turn.sketch or {}).get("sketch.evicted_mass"), **checks}
         seen.turns.append(turn)
         cells["turn"] = np.full(len(cells["err"]), len(seen.turns) - 1, dtype=np.float64)
         seen.cells.setdefault(label, []).append(cells)
