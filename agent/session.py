@@ -186,7 +186,8 @@ class ChatSession:
 
     def open(self, conversation_id: int, on_event: EventSink = _ignore) -> None:
         """Continue a logged conversation: its exact tokens are re-prefilled (``Rereading`` events report the
-        progress), then evicted to budget; eviction rounds continue the log's numbering. The conversation is
+        progress), then evicted to budget; eviction rounds continue the log's numbering, and the gate resumes from
+        the turn records (its baselines and recent statistics: :meth:`Gate.restore`). The conversation is
         claimed for this process first, so a second writer is refused before the re-read."""
         self.store.claim_conversation(conversation_id)
         self.conversation_id = conversation_id
