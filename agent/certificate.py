@@ -138,9 +138,14 @@ def fit(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int, groups: An
     err = np.asarray(err, dtype=np.float64)
     if groups is None:
         return Component(conformal_multiplier(err, scale, level), drift)
-    groups = np.asarray(groups)
-    return Component(max(conformal_multiplier(err[groups == g], scale[groups == g], level)
-                         for g in np.unique(groups)), drift)
+    return Component(largest_group_multiplier(err, scale, groups, level), drift)
+
+
+def largest_group_multiplier(err: Any, scale: Any, groups: Any, level: float = NOMINAL) -> float:
+    """The largest of the groups' conformal multipliers (:func:`conformal_multiplier` per group): ``level`` of
+    every group's cells covered, where a group (a conversation) is the exchangeable unit, not the cell."""
+    e, s, g = np.asarray(err, dtype=np.float64), np.asarray(scale, dtype=np.float64), np.asarray(groups)
+    return max(conformal_multiplier(e[g == x], s[g == x], level) for x in np.unique(g))
 
 
 def rounds_class(rounds: int) -> str:

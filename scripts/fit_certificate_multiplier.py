@@ -85,8 +85,7 @@ def fit_two_phase(err: np.ndarray, v_hat: np.ndarray, o_norm2: np.ndarray, layer
             a, b = (a1, 0.0) if ((t - a1) ** 2).sum() <= ((t - b1 * x) ** 2).sum() else (0.0, b1)
         lam[l], mu[l] = a, b
     scale = np.sqrt(np.maximum(v, 0.0) + (lam[lay] + mu[lay] * m ** 2) * o2)
-    k = max(certificate.conformal_multiplier(err[groups == g], scale[groups == g]) for g in np.unique(groups))
-    return k, lam, mu
+    return certificate.largest_group_multiplier(err, scale, groups), lam, mu
 
 
 def two_phase_coverage(cells: dict[str, np.ndarray], mass: np.ndarray, k: float, lam: np.ndarray,

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import project_scripts
 from agent import calibration, certificate
 from agent.certificate import CertificateForm, Component
 from agent.config import Config
@@ -59,25 +60,12 @@ def test_fit_with_drift_covers_at_nominal_held_out() -> None:
     assert plain == np.inf
 
 
-def _fit_script():
-    import importlib.util  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    path = Path(__file__).resolve().parents[1] / "scripts/fit_certificate_multiplier.py"
-    spec = importlib.util.spec_from_file_location("fit_certificate_multiplier", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_two_phase_fit_recovers_an_evicted_part_that_grows_with_the_evicted_share() -> None:
     """Cells whose error beyond the sample's is a drift λ_l plus an evicted part μ_l m² (m: the question's share on
     the evicted cells), relative to ‖ô‖²: the study's two-phase fit recovers λ and μ, covers held-out cells at
     nominal (Binomial(4000, 0.95): outside [3764, 3833] with probability 0.1%), and ranks the errors better than
     the shipped form, which sees no m."""
-    script = _fit_script()
+    script = project_scripts.load("fit_certificate_multiplier")
     rng = np.random.default_rng(20261203)
     lam, mu = np.array([0.01, 0.04, 0.02]), np.array([0.5, 0.0, 2.0])
 

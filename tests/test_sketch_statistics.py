@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+import project_scripts
 from agent.replay import aggregate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,12 +17,7 @@ RECORDED = ROOT / "docs/results/data/longchat-8k-adaptive"
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sketch_statistics", ROOT / "scripts/sketch_statistics.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
+    return project_scripts.load("sketch_statistics")
 
 
 def _message(share: list[float], base: list[float] | None, evicted: int = 10, live: int = 0) -> dict:
