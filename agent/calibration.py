@@ -139,19 +139,24 @@ def tau_form(evict_at: str = DEFAULT_EVICT_AT, budget: str | None = None, model:
     return CertificateForm((Component(float(k or 1.0)),))
 
 
-def sketch_layers(n_layer: int, evict_at: str = DEFAULT_EVICT_AT) -> tuple[int, ...]:
-    """The sketch layers the calibration for ``evict_at`` chose (``sketch_layers = "auto"``), for a model of
-    ``n_layer`` layers: the calibrated ones on a model as deep as the calibration's, the same relative depths on
-    another; () when the calibrated statistic needs no sketch."""
+def sketch_layers(layer_windows: Sequence[int], evict_at: str = DEFAULT_EVICT_AT) -> tuple[int, ...]:
+    """The sketch layers the calibration for ``evict_at`` chose (``sketch_layers = "auto"``), for a model whose
+    layers have the attention windows ``layer_windows`` (0: full attention; ``ModelInfo.layer_windows``): the
+    calibrated ones on a model as deep as the calibration's, the same relative depths on another, each moved to
+    the nearest full-attention layer (a sliding-window layer never sees an evicted position outside its
+    window, so the sketch cannot read it there; the deeper one on a tie); () when the calibrated statistic
+    needs no sketch or every layer has a window."""
     cal = load(PATH, evict_at)
     spec = cal.record.get("sketch") if cal is not None else None
-    if not spec or not spec.get("layers"):
+    n_layer = len(layer_windows)
+    full = [il for il, w in enumerate(layer_windows) if w == 0]
+    if not spec or not spec.get("layers") or not full:
         return ()
     layers = [int(x) for x in spec["layers"]]
     ref = spec.get("n_layer")
     if ref and int(ref) != n_layer:
         layers = [min(n_layer - 1, round(x * (n_layer - 1) / (int(ref) - 1))) for x in layers]
-    return tuple(sorted({x for x in layers if 0 <= x < n_layer}))
+    return tuple(sorted({min(full, key=lambda f: (abs(f - x), -f)) for x in layers if 0 <= x < n_layer}))
 
 
 def is_certificate_statistic(statistic: str) -> bool:

@@ -119,7 +119,8 @@ class Config:
     than half of the question's attention above baseline on them. 0: always the whole history."""
     sketch_layers: str = "auto"
     """Model layers whose evicted keys the evicted-key sketch keeps, comma-separated (e.g. "11,13,15,20,22"),
-    "auto" for the layers the gate's calibration chose (agent/gate_calibration.json), or "" for no sketch. With a
+    "auto" for the layers the gate's calibration chose (agent/gate_calibration.json; on a sliding-window model
+    the nearest full-attention ones, since a windowed layer never sees an evicted message), or "" for no sketch. With a
     sketch every turn records ``sketch.max`` — how far the question's estimated attention on a mostly evicted
     message exceeds what earlier questions paid it — and the messages it implicates, which a ``sketch.*`` gate
     re-reads; it costs a key read and a quantisation per eviction and a scoring pass per question

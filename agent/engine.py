@@ -308,6 +308,12 @@ class Engine:
         bad = [x for x in layers if x >= self.info.n_layer]
         if bad:
             raise ValueError(f"sketch_layers: the model has layers 0–{self.info.n_layer - 1}, not {bad}")
+        windowed = [x for x in layers if self.info.layer_windows[x]]
+        if windowed:
+            full = ",".join(str(il) for il, w in enumerate(self.info.layer_windows) if w == 0) or "none"
+            raise ValueError(f"sketch_layers: layers {','.join(map(str, windowed))} of this model attend through a "
+                             f"{self.info.layer_windows[windowed[0]]}-token sliding window and never see an evicted "
+                             f"message; choose among its full-attention layers ({full}) or use \"auto\"")
         self.sketch = None
         self._held = None
         self._sketch_spec = (tuple(layers), bits, window)

@@ -76,7 +76,7 @@ class CacheManager:
         sketched = self.policy.sampled and self.policy.evicts
         layers = parse_sketch_layers(config.sketch_layers)
         if layers is None:
-            layers = calibration.sketch_layers(self.engine.info.n_layer, config.evict_at)
+            layers = calibration.sketch_layers(self.engine.info.layer_windows, config.evict_at)
         self.engine.set_sketch(layers if sketched else (), config.sketch_bits, config.cert_window)
         if self.policy.reads_attention:
             self.set_readout(True)

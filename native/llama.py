@@ -90,6 +90,8 @@ class ModelInfo:
     n_head_kv: int
     n_embd: int
     n_swa: int
+    layer_windows: tuple[int, ...]
+    """Per layer, its attention window in tokens; 0 for a layer that sees every earlier position."""
     n_ctx_train: int
     n_vocab: int
     is_recurrent: bool
@@ -141,12 +143,14 @@ class Model:
         lc, h = self._lib, self.handle
         desc = ctypes.create_string_buffer(256)
         lc.llama_model_desc(h, desc, 256)
+        n_layer = lc.llama_model_n_layer(h)
         return ModelInfo(
-            n_layer=lc.llama_model_n_layer(h),
+            n_layer=n_layer,
             n_head=lc.llama_model_n_head(h),
             n_head_kv=lc.llama_model_n_head_kv(h),
             n_embd=lc.llama_model_n_embd(h),
             n_swa=lc.llama_model_n_swa(h),
+            layer_windows=patched.layer_windows(h, n_layer),
             n_ctx_train=lc.llama_model_n_ctx_train(h),
             n_vocab=lc.llama_vocab_n_tokens(self._vocab),
             is_recurrent=bool(lc.llama_model_is_recurrent(h)),

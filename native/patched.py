@@ -1,5 +1,6 @@
 """Bindings for certchat's patch to llama.cpp: per-cell logit bias, KV compaction, attention certificate,
-K rows by position and the question's query rows (the evicted-key sketch's inputs).
+K rows by position and the question's query rows (the evicted-key sketch's inputs), re-insertion at old
+positions and each layer's attention window.
 
 The patch (``native/patches/*.patch``, documented in docs/PATCH.md) adds C functions to
 libllama; this module declares them with ctypes on the library handle that
@@ -24,9 +25,9 @@ from numpy.typing import ArrayLike, NDArray
 
 from native import runtime
 
-MIN_PATCH_VERSION = 5
+MIN_PATCH_VERSION = 6
 """The patch level these bindings need (0001 bias, 0002 compaction, 0003 certificate, 0004 keys and queries,
-0005 re-insertion at old positions)."""
+0005 re-insertion at old positions, 0006 each layer's attention window)."""
 
 MAX_WINDOW = 64
 """Most query rows the certificate reports per ubatch (LLAMA_ATTN_CERT_MAX_WINDOW)."""
@@ -87,6 +88,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "llama_get_attn_queries_dims": ([_p, _pi32, _pi32, _pi32, _pi32], _i32),
     "llama_get_attn_queries": ([_p, _pi32, _pf32, _pf32, _pf32, ctypes.c_size_t], _i32),
     "llama_set_reinsert": ([_p, ctypes.c_bool], _i32),
+    "llama_model_layer_n_swa": ([_p, _i32], _i32),
 }
 
 
@@ -189,6 +191,17 @@ def get_bias(mem: Any, seq_id: int) -> tuple[NDArray[np.int32], NDArray[np.float
 def compact(ctx: Any, seq_id: int = 0) -> int:
     """Move the live cells of ``seq_id``'s stream to the lowest indices; returns the new used extent."""
     return _check("compact", lib().llama_kv_seq_compact(ctx, seq_id))
+
+
+def layer_windows(model: Any, n_layer: int) -> tuple[int, ...]:
+    """The attention window of each of the model's ``n_layer`` layers in tokens: 0 for a layer that sees every
+    earlier position, the window for a sliding-window layer (Gemma 2/3), which never attends to a position
+    outside it, evicted or not."""
+    fn = lib().llama_model_layer_n_swa
+    windows = tuple(int(fn(model, il)) for il in range(n_layer))
+    if any(w < 0 for w in windows):
+        raise PatchError("llama_model_layer_n_swa", Status.ERR_ARG, f"the model has fewer than {n_layer} layers")
+    return windows
 
 
 def set_reinsert(ctx: Any, on: bool) -> None:

@@ -5,10 +5,12 @@ the question's attention on them into every turn's detail."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 
+from agent import calibration
 from agent.config import EVICT_AT, Config, ConfigError
 from agent.engine import Engine, EngineSettings
 from agent.gate import SHARE_FLOOR, recorded_ratios
@@ -109,6 +111,32 @@ def test_the_sketch_needs_a_sampled_design_and_valid_layers(engine: Engine, tmp_
         _config(sketch_layers="ten")
     with pytest.raises(ConfigError, match="sketch_bits"):
         _config(sketch_bits=6)
+
+
+def test_the_sketch_reads_only_full_attention_layers(model_path: Callable[[str], Path]) -> None:
+    """A sliding-window layer never sees an evicted position outside its window, so the sketch cannot read the
+    question's attention there: "auto" moves the calibrated depths to full-attention layers, and naming a
+    windowed layer is refused with the layers to choose from."""
+    shipped = calibration.sketch_layers((0,) * 24)
+    assert shipped, "the shipped turn-end calibration reads a sketch"
+    assert calibration.sketch_layers((512,) * 24) == (), "no full-attention layer: no sketch"
+    windows = tuple(0 if il in (7, 15, 23) else 512 for il in range(24))
+    moved = calibration.sketch_layers(windows)
+    assert moved and set(moved) <= {7, 15, 23}
+    for x in shipped:  # each calibrated layer moves to a nearest full-attention one
+        nearest = min(abs(f - x) for f in (7, 15, 23))
+        assert any(abs(m - x) == nearest for m in moved)
+    eng = Engine(EngineSettings(model_path=model_path("gemma3-270m"), n_ctx=512, n_batch=64, threads=2))
+    try:
+        full = [il for il, w in enumerate(eng.info.layer_windows) if w == 0]
+        assert full == [5, 11, 17]
+        auto = calibration.sketch_layers(eng.info.layer_windows)
+        assert auto and set(auto) <= set(full)
+        eng.set_sketch(auto, 8, 4)
+        with pytest.raises(ValueError, match=r"sketch_layers: layers 2,8 .*512-token sliding window.*\(5,11,17\)"):
+            eng.set_sketch((2, 5, 8), 8, 4)
+    finally:
+        eng.close()
 
 
 def test_a_reopened_conversation_gates_on_the_baselines_and_recent_statistics_it_had(engine: Engine,

@@ -26,6 +26,18 @@ def gemma(model_path: Callable[[str], Path]) -> Any:
     return model
 
 
+def test_layer_windows(gemma: Any) -> None:
+    """Patch 0006: which layers attend through the window (every sixth layer of Gemma 3 sees everything)."""
+    n_layer = ps.llama().llama_model_n_layer(gemma)
+    windows = patched.layer_windows(gemma, n_layer)
+    assert windows == tuple(0 if (il + 1) % 6 == 0 else N_SWA for il in range(n_layer))
+    assert windows[SWA_LAYER] == N_SWA and windows[GLOBAL_LAYER] == 0
+    assert patched.lib().llama_model_layer_n_swa(gemma, n_layer) == -1
+    assert patched.lib().llama_model_layer_n_swa(gemma, -1) == -1
+    with pytest.raises(patched.PatchError, match="fewer than"):
+        patched.layer_windows(gemma, n_layer + 1)
+
+
 @pytest.fixture
 def drivers(gemma: Any) -> Iterator[Callable[..., ps.Driver]]:
     made: list[ps.Driver] = []

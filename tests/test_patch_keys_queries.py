@@ -169,6 +169,10 @@ def test_a_kept_cell_scored_through_the_sketch_gets_the_graphs_attention(qwen: A
         np.testing.assert_allclose(p_graph[:, -4:, every].sum(axis=2), 1.0, atol=1e-5)
 
 
+def test_a_model_without_a_window_has_none_in_any_layer(qwen: Any) -> None:
+    assert patched.layer_windows(qwen, 24) == (0,) * 24
+
+
 def test_gemma_swa_and_global_layers(model_path: Callable[[str], Path]) -> None:
     """Two caches: each layer's keys come from the cache that holds it; positions a cache lacks read NaN."""
     model = ps.load_model(model_path("gemma3-270m"))
