@@ -4,11 +4,15 @@
         --section "recall30=/path/to/recall30-run" \
         --section "LoCoMo=/path/to/locomo-run" \
         --study "recall30=/path/to/study-gating.json" --study /path/to/study-attribution.json \
+        --long "LoCoMo in full=/path/to/conv-a,/path/to/conv-a-25pct,/path/to/conv-b" \
         [--notes notes.md] [--out docs/RESULTS.md]
 
 Each ``--section TITLE=DIR`` is a folder holding ``results*.json`` (shards are merged); its
 table, provenance (model, machine, budgets, seeds, the command) and plots go into the
-page. ``--study`` adds a study's rendering. Nothing in the page is typed by hand except
+page. ``--long TITLE=DIR,DIR…`` merges `certchat demo long` results folders (one per
+conversation and budget) into a table per conversation — recall, turn time against the same
+conversation's full cache, what a user waited for an answer — and their pooled side-by-side
+table. ``--study`` adds a study's rendering. Nothing in the page is typed by hand except
 the optional notes file, which is included verbatim under "Notes".
 """
 
@@ -21,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.replay import aggregate, report, studies  # noqa: E402
+from agent.replay import aggregate, longdemo, report, studies  # noqa: E402
 
 PAPER = [
     ("recall at a 10% budget, gated vs top-k (thirty-turn recall)", "0.97 vs 0.09"),
@@ -56,10 +60,30 @@ def _section(title: str, folder: Path, out_dir: Path, plots_dir: Path) -> tuple[
     return lines, doc
 
 
+def _long(title: str, folders: list[Path]) -> list[str]:
+    files = aggregate.result_files(folders)
+    docs = [aggregate.read_results(f) for f in files]
+    meta, runs = aggregate.merge(docs)
+    doc = aggregate.results_document(meta, runs)
+    meta.pop("commit", None)  # each file's own, below
+    machines = {d["meta"].get("machine") for d in docs}
+    if len(machines) > 1:
+        # turn times compare within a file (a conversation's full run and its budgets on one machine)
+        meta["machine"] = "each file's own"
+    origin = "folder: commit" + (", machine" if len(machines) > 1 else "") + " — " + ", ".join(
+        f"{f.parent.name}: {d['meta'].get('commit', '?')}"
+        + (f", {d['meta'].get('machine')}" if len(machines) > 1 else "") for f, d in zip(files, docs))
+    return [f"## {title}", "", longdemo.by_script_table(doc), "Pooled over the conversations:", "",
+            longdemo.table(doc).split("\n\nScripts:")[0], "",
+            f"Merged from {len(files)} results files ({origin}). " + report.provenance(meta), "", ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--section", action="append", default=[], help="TITLE=DIR with results*.json")
     parser.add_argument("--study", action="append", default=[], help="[TITLE=]a study-*.json file")
+    parser.add_argument("--long", action="append", default=[],
+                        help="TITLE=DIR,DIR… of `certchat demo long` results: per conversation and pooled")
     parser.add_argument("--notes", type=Path, help="a Markdown file included verbatim under Notes")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "RESULTS.md")
     args = parser.parse_args(argv)
@@ -93,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         title, folder = spec.split("=", 1)
         section, _ = _section(title, Path(folder), out_dir, plots_dir)
         lines += section
+    for spec in args.long:
+        if "=" not in spec:
+            parser.error(f"--long: expected TITLE=DIR,DIR…, got {spec!r}")
+        title, folders = spec.split("=", 1)
+        lines += _long(title, [Path(f) for f in folders.split(",") if f])
     for spec in args.study:
         import json  # noqa: PLC0415
 

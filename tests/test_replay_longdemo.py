@@ -64,6 +64,18 @@ def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: 
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["columns"]
     assert again == columns
     assert longdemo.table(doc).splitlines()[0].startswith("| measure | full | poisson+gate")
+    # per conversation: the same run under a second name pools to the same recall and ratio, twice the tokens
+    twin = [{**r, "script": "twin"} for r in doc["runs"]]
+    per_script = longdemo.by_script_table(aggregate.results_document(doc["meta"], doc["runs"] + twin))
+    body = [line for line in per_script.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [line.split(" | ")[0] for line in body] == [f"| {s.name}", "| twin", "| all 2 (pooled)"]
+    tokens = doc["runs"][0]["summary"]["history_tokens"]
+    assert body[0].split(" | ")[1:3] == [f"{tokens:,}", "2"] and body[2].split(" | ")[1:3] == [f"{2 * tokens:,}", "4"]
+    ratio = gated["turn_s_mean"] / full["turn_s_mean"]
+    for line in body:
+        full_cell, gated_cell = line.rstrip(" |").split(" | ")[3:5]
+        assert full_cell.startswith(f"{full['recall']:.2f} · {full['turn_s_mean']:.2f} s · ")
+        assert gated_cell.startswith(f"{gated['recall']:.2f} · {ratio:.2f}× · {gated['probe_turn_s_mean']:.2f} s · ")
 
 
 def test_demo_long_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

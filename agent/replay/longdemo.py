@@ -291,6 +291,62 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def by_script_table(doc: dict[str, Any]) -> str:
+    """A row per script and one pooled row, a column per (policy, budget): what each conversation gave a user.
+
+    Each cell reads "recall · mean turn · question wait · wall time"; the mean turn is in seconds for ``full`` and relative to
+    the same script's ``full`` run for the others (a script without one shows seconds). Columns come from runs
+    merged from several folders (e.g. one process per budget), so every script's ``full`` serves all budgets."""
+    cols = rows(doc)
+    if not cols:
+        return "(no runs)\n"
+    keys = [(c["policy"], c["budget"], c["protocol"]) for c in cols]
+    scripts = list(dict.fromkeys(r["script"] for r in doc["runs"]))
+
+    def column_map(runs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+        grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+        for run in runs:
+            grouped[(run["policy"], run["budget"], run.get("protocol", "multi-round"))].append(run)
+        return {k: _column(v) for k, v in grouped.items()}
+
+    def cell(c: dict[str, Any] | None, full: dict[str, Any] | None, is_full: bool) -> str:
+        if c is None:
+            return "—"
+        recall = f"{c['recall']:.2f}" if c["recall"] is not None else "—"
+        if is_full or not (full and full["turn_s_mean"]) or c["turn_s_mean"] is None:
+            turn = _num(c["turn_s_mean"], 2, " s")
+        else:
+            turn = _num(c["turn_s_mean"] / full["turn_s_mean"], 2, "×")
+        return f"{recall} · {turn} · {_num(c['probe_turn_s_mean'], 2, ' s')} · {_num(c['wall_s'] / 60, 1, ' min')}"
+
+    def line(label: str, runs: list[dict[str, Any]], tokens: int, n_probes: int) -> str:
+        by = column_map(runs)
+        full = next((by[k] for k in keys if k[0].split("@")[0] == "full" and k in by), None)
+        cells = [cell(by.get(k), full, k[0].split("@")[0] == "full") for k in keys]
+        return f"| {label} | {tokens:,} | {n_probes} | " + " | ".join(cells) + " |"
+
+    def tokens_of(runs: list[dict[str, Any]]) -> int:
+        return max((r["summary"]["history_tokens"] for r in runs), default=0)
+
+    def probes_of(runs: list[dict[str, Any]]) -> int:
+        return max((c["n_probes"] for c in column_map(runs).values()), default=0)
+
+    head = [report.POLICY_LABEL.get(c["policy"], c["policy"]) + ("" if c["policy"] == "full" else f" {c['budget']}")
+            for c in cols]
+    out = ["| script | history tokens | probes | " + " | ".join(head) + " |", "|---|---|---|" + "---|" * len(cols)]
+    per_script = {name: [r for r in doc["runs"] if r["script"] == name] for name in scripts}
+    out += [line(name, runs, tokens_of(runs), probes_of(runs)) for name, runs in per_script.items()]
+    if len(scripts) > 1:
+        out.append(line(f"all {len(scripts)} (pooled)", doc["runs"],
+                        sum(tokens_of(r) for r in per_script.values()),
+                        sum(probes_of(r) for r in per_script.values())))
+    out.append("")
+    out.append("Each cell: recall · mean turn time (seconds for full; for the others, a multiple of the same "
+               "script's full run) · mean time of a probe turn, what a user waits for an answer · wall time of the "
+               "whole run.")
+    return "\n".join(out) + "\n"
+
+
 def json_line(doc: dict[str, Any]) -> str:
     return json.dumps({"columns": rows(doc)}, ensure_ascii=False)
 
