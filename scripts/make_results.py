@@ -66,15 +66,15 @@ def _long(title: str, folders: list[Path]) -> list[str]:
     meta, runs = aggregate.merge(docs)
     doc = aggregate.results_document(meta, runs)
     meta.pop("commit", None)  # each file's own, below
-    machines = {d["meta"].get("machine") for d in docs}
-    if len(machines) > 1:
+    several = len({d["meta"].get("machine") for d in docs}) > 1
+    if several:
         # turn times compare within a file (a conversation's full run and its budgets on one machine)
         meta["machine"] = "each file's own"
-    origin = "folder: commit" + (", machine" if len(machines) > 1 else "") + " — " + ", ".join(
-        f"{f.parent.name}: {d['meta'].get('commit', '?')}"
-        + (f", {d['meta'].get('machine')}" if len(machines) > 1 else "") for f, d in zip(files, docs))
+    origin = "folder: commit" + (", machine" if several else "") + " — " + ", ".join(
+        f"{f.parent.name}: {d['meta'].get('commit', '?')}" + (f", {d['meta'].get('machine')}" if several else "")
+        for f, d in zip(files, docs))
     return [f"## {title}", "", longdemo.by_script_table(doc), "Pooled over the conversations:", "",
-            longdemo.table(doc).split("\n\nScripts:")[0], "",
+            longdemo.table(doc, footer=False).rstrip("\n"), "",
             f"Merged from {len(files)} results files ({origin}). " + report.provenance(meta), "", ""]
 
 

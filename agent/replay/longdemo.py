@@ -226,13 +226,28 @@ def _column(members: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _columns(runs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """:func:`_column` of each (policy, budget, protocol) among ``runs``."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for run in runs:
+        groups[(run["policy"], run["budget"], run.get("protocol", "multi-round"))].append(run)
+    return {k: _column(v) for k, v in groups.items()}
+
+
 def rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One column per (policy, budget, protocol), in the aggregate's order."""
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
-    for run in doc["runs"]:
-        groups[(run["policy"], run["budget"], run.get("protocol", "multi-round"))].append(run)
+    columns = _columns(doc["runs"])
     order = [(r["policy"], r["budget"], r["protocol"]) for r in aggregate.table(doc["aggregate"])]
-    return [{"policy": k[0], "budget": k[1], "protocol": k[2], **_column(groups[k])} for k in order if k in groups]
+    return [{"policy": k[0], "budget": k[1], "protocol": k[2], **columns[k]} for k in order if k in columns]
+
+
+def _is_full(policy: str) -> bool:
+    return policy.split("@")[0] == "full"
+
+
+def _heading(column: dict[str, Any]) -> str:
+    return report.POLICY_LABEL.get(column["policy"], column["policy"]) + (
+        "" if column["policy"] == "full" else f" {column['budget']}")
 
 
 def _pct(value: float | None) -> str:
@@ -249,14 +264,14 @@ def _frac(pair: tuple[int, int] | None) -> str:
     return f"{pair[0] / pair[1]:.2f} ({pair[0]}/{pair[1]})"
 
 
-def table(doc: dict[str, Any]) -> str:
-    """The side-by-side Markdown table: a column per policy, a row per measure."""
+def table(doc: dict[str, Any], footer: bool = True) -> str:
+    """The side-by-side Markdown table: a column per policy, a row per measure; ``footer``: the scripts, host
+    memory and provenance lines under it."""
     cols = rows(doc)
     if not cols:
         return "(no runs)\n"
-    full = next((c for c in cols if c["policy"].split("@")[0] == "full"), None)
-    head = [report.POLICY_LABEL.get(c["policy"], c["policy"]) + ("" if c["policy"] == "full" else f" {c['budget']}")
-            for c in cols]
+    full = next((c for c in cols if _is_full(c["policy"])), None)
+    head = [_heading(c) for c in cols]
     buckets = [_bucket(lo) for lo, _ in DISTANCE_BUCKETS]
     cats = sorted({k for c in cols for k in c["recall_by_category"]})
     body: list[tuple[str, list[str]]] = [
@@ -280,6 +295,8 @@ def table(doc: dict[str, Any]) -> str:
     ]
     out = ["| measure | " + " | ".join(head) + " |", "|---|" + "---|" * len(cols)]
     out += ["| " + name + " | " + " | ".join(cells) + " |" for name, cells in body]
+    if not footer:
+        return "\n".join(out) + "\n"
     meta = doc["meta"]
     first = cols[0]
     scripts = ", ".join(s["name"] for s in meta.get("scripts", []))
@@ -294,20 +311,13 @@ def table(doc: dict[str, Any]) -> str:
 def by_script_table(doc: dict[str, Any]) -> str:
     """A row per script and one pooled row, a column per (policy, budget): what each conversation gave a user.
 
-    Each cell reads "recall · mean turn · question wait · wall time"; the mean turn is in seconds for ``full`` and relative to
-    the same script's ``full`` run for the others (a script without one shows seconds). Columns come from runs
-    merged from several folders (e.g. one process per budget), so every script's ``full`` serves all budgets."""
+    Each cell reads "recall · mean turn · question wait · wall time"; the mean turn is in seconds for ``full`` and
+    relative to the same script's ``full`` run for the others (a script without one shows seconds). Columns come from
+    runs merged from several folders (e.g. one process per budget), so every script's ``full`` serves all budgets."""
     cols = rows(doc)
     if not cols:
         return "(no runs)\n"
     keys = [(c["policy"], c["budget"], c["protocol"]) for c in cols]
-    scripts = list(dict.fromkeys(r["script"] for r in doc["runs"]))
-
-    def column_map(runs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
-        grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
-        for run in runs:
-            grouped[(run["policy"], run["budget"], run.get("protocol", "multi-round"))].append(run)
-        return {k: _column(v) for k, v in grouped.items()}
 
     def cell(c: dict[str, Any] | None, full: dict[str, Any] | None, is_full: bool) -> str:
         if c is None:
@@ -319,27 +329,23 @@ def by_script_table(doc: dict[str, Any]) -> str:
             turn = _num(c["turn_s_mean"] / full["turn_s_mean"], 2, "×")
         return f"{recall} · {turn} · {_num(c['probe_turn_s_mean'], 2, ' s')} · {_num(c['wall_s'] / 60, 1, ' min')}"
 
-    def line(label: str, runs: list[dict[str, Any]], tokens: int, n_probes: int) -> str:
-        by = column_map(runs)
-        full = next((by[k] for k in keys if k[0].split("@")[0] == "full" and k in by), None)
-        cells = [cell(by.get(k), full, k[0].split("@")[0] == "full") for k in keys]
+    def line(label: str, by: dict[tuple[str, str, str], dict[str, Any]], tokens: int, n_probes: int) -> str:
+        full = next((by[k] for k in keys if _is_full(k[0]) and k in by), None)
+        cells = [cell(by.get(k), full, _is_full(k[0])) for k in keys]
         return f"| {label} | {tokens:,} | {n_probes} | " + " | ".join(cells) + " |"
 
-    def tokens_of(runs: list[dict[str, Any]]) -> int:
-        return max((r["summary"]["history_tokens"] for r in runs), default=0)
-
-    def probes_of(runs: list[dict[str, Any]]) -> int:
-        return max((c["n_probes"] for c in column_map(runs).values()), default=0)
-
-    head = [report.POLICY_LABEL.get(c["policy"], c["policy"]) + ("" if c["policy"] == "full" else f" {c['budget']}")
-            for c in cols]
-    out = ["| script | history tokens | probes | " + " | ".join(head) + " |", "|---|---|---|" + "---|" * len(cols)]
-    per_script = {name: [r for r in doc["runs"] if r["script"] == name] for name in scripts}
-    out += [line(name, runs, tokens_of(runs), probes_of(runs)) for name, runs in per_script.items()]
-    if len(scripts) > 1:
-        out.append(line(f"all {len(scripts)} (pooled)", doc["runs"],
-                        sum(tokens_of(r) for r in per_script.values()),
-                        sum(probes_of(r) for r in per_script.values())))
+    out = ["| script | history tokens | probes | " + " | ".join(_heading(c) for c in cols) + " |",
+           "|---|---|---|" + "---|" * len(cols)]
+    per_script: list[tuple[str, dict[tuple[str, str, str], dict[str, Any]], int, int]] = []
+    for name in dict.fromkeys(r["script"] for r in doc["runs"]):
+        runs = [r for r in doc["runs"] if r["script"] == name]
+        by = _columns(runs)
+        per_script.append((name, by, max(r["summary"]["history_tokens"] for r in runs),
+                           max(c["n_probes"] for c in by.values())))
+    out += [line(*row) for row in per_script]
+    if len(per_script) > 1:
+        out.append(line(f"all {len(per_script)} (pooled)", dict(zip(keys, cols)),
+                        sum(row[2] for row in per_script), sum(row[3] for row in per_script)))
     out.append("")
     out.append("Each cell: recall · mean turn time (seconds for full; for the others, a multiple of the same "
                "script's full run) · mean time of a probe turn, what a user waits for an answer · wall time of the "
