@@ -116,7 +116,9 @@ class Config:
     positions they were evicted from, as many as fit, and the question is prefilled again on top — tens to
     hundreds of tokens instead of the whole history. The whole history is re-read instead when the gate fired on
     another statistic, the turn is uncertified, more than 16 messages stand out, or the ones that fit hold less
-    than half of the question's attention above baseline on them. 0: always the whole history."""
+    than half of the question's attention above baseline on them — except that a history longer than 4 × this
+    budget is never re-read whole for the last two reasons (it would cost more than the full cache saved): the
+    most anomalous messages that fit are re-read. 0: always the whole history."""
     sketch_layers: str = "auto"
     """Model layers whose evicted keys the evicted-key sketch keeps, comma-separated (e.g. "11,13,15,20,22"),
     "auto" for the layers the gate's calibration chose (agent/gate_calibration.json; on a sliding-window model

@@ -207,6 +207,12 @@ COVER = 0.5
 """The share of the implicated mass (the question's attention above baseline on the messages past τ) that the
 messages fitting ``reread_budget`` must hold for a targeted re-read; less, and the whole history is re-read."""
 
+WHOLE_REREAD_FACTOR = 4
+"""A history of more than this many times ``reread_budget`` tokens is not re-read whole when the question's
+attention is spread or its messages overflow the budget: the most anomalous messages that fit are re-read instead.
+On a CPU a re-read costs its tokens' prefill (a 6k-token history took 65 s on 2 cores against ~1.3 s for a
+full-cache turn, docs/results/NOTES.md), so past this size the whole re-read costs more than the full cache saved."""
+
 
 @dataclass(frozen=True)
 class TargetedRead:
@@ -540,8 +546,12 @@ class Gate:
         chosen = [index for index, anomaly in ranked if math.isfinite(anomaly) and anomaly >= level]
         if not chosen:
             return None, "no single evicted message stands out"
-        if len(chosen) > MAX_TARGETED:
+        # past this size the whole history costs more to re-read than the turns it would protect: read what fits
+        best_effort = sum(len(m.tokens) for m in logged.values() if m.tokens is not None) > \
+            WHOLE_REREAD_FACTOR * self.config.reread_budget
+        if len(chosen) > MAX_TARGETED and not best_effort:
             return None, f"the question's attention is spread over {len(chosen)} evicted messages"
+        chosen = chosen[:MAX_TARGETED]
         plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
         room = min(self.config.reread_budget, free_cells)
         implicated = sum(self.turn.excess.get(i, 0.0) for i in chosen)
@@ -559,7 +569,7 @@ class Gate:
             room -= need
             covered += self.turn.excess.get(index, 0.0)
             plan.append((message, span[0], runs))
-        if not plan or (implicated > 0 and covered < COVER * implicated):
+        if not plan or (implicated > 0 and covered < COVER * implicated and not best_effort):
             return None, "the messages the question points at hold more evicted tokens than the re-read budget"
         return TargetedRead(plan), ""
 

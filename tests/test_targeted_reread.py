@@ -154,3 +154,25 @@ def test_the_whole_history_is_reread_when_no_message_can_be_named(small: Engine,
     logged = [m.id for m in s.store.messages(s.conversation_id) if not m.meta.get("discarded")]
     assert result.reread_messages == logged[:-1], "every logged message but the answer being written"
     assert np.all(np.diff(small.cache.positions) > 0)
+
+
+def test_a_long_history_reads_what_fits_instead_of_the_whole(small: Engine, tmp_path: Path) -> None:
+    """Past WHOLE_REREAD_FACTOR × reread_budget tokens of history, a spread question re-reads its most anomalous
+    messages that fit the budget, not the whole history (here: every message stands out at τ = 0)."""
+    from agent.gate import WHOLE_REREAD_FACTOR  # noqa: PLC0415
+
+    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=8,
+                 gate="off", page_size=4, seed=3, sketch_layers="10,20", reread_copy=False)
+    s = ChatSession(cfg, Store(tmp_path / "log.db"), small, "smollm2-135m")
+    for text in FACTS + FILLERS:
+        drive.forced(s, text, "Noted.")
+    history = sum(len(m.tokens) for m in s.store.messages(s.conversation_id) if m.tokens is not None)
+    budget = 48
+    assert history > WHOLE_REREAD_FACTOR * budget, "the fixture's history must pass the whole-re-read limit"
+    s.reconfigure(gate_stat="sketch.max", gate="0", reread_budget=budget)
+    events: list[ev.Event] = []
+    result = s.send("What is my locker code?", on_event=events.append)
+    fired = [e for e in events if isinstance(e, ev.GateFired)]
+    assert result.gate_fired and result.reread_path == "targeted" and fired and fired[0].reread
+    assert 0 < fired[0].reprefill_tokens <= budget
+    assert np.all(np.diff(small.cache.positions) > 0)
