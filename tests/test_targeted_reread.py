@@ -132,6 +132,16 @@ FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born 
 FILLERS = [f"Give me one short sentence about the number {i}." for i in range(12)]
 
 
+def _facts_and_fillers(small: Engine, tmp_path: Path) -> ChatSession:
+    """A smollm2-135m chat of FACTS and FILLERS, every answer forced, evicted to 64 cells, gate off."""
+    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=8,
+                 gate="off", page_size=4, seed=3, sketch_layers="10,20", reread_copy=False)
+    s = ChatSession(cfg, Store(tmp_path / "log.db"), small, "smollm2-135m")
+    for text in FACTS + FILLERS:
+        drive.forced(s, text, "Noted.")
+    return s
+
+
 @pytest.mark.parametrize(("changes", "why"), [
     (dict(gate_stat="question.max", gate="0"), "names no message"),
     (dict(gate_stat="sketch.max", gate="0"), "spread over"),
@@ -140,11 +150,7 @@ FILLERS = [f"Give me one short sentence about the number {i}." for i in range(12
 ])
 def test_the_whole_history_is_reread_when_no_message_can_be_named(small: Engine, tmp_path: Path,
                                                                   changes: dict, why: str) -> None:
-    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=8,
-                 gate="off", page_size=4, seed=3, sketch_layers="10,20", reread_copy=False)
-    s = ChatSession(cfg, Store(tmp_path / "log.db"), small, "smollm2-135m")
-    for text in FACTS + FILLERS:
-        drive.forced(s, text, "Noted.")
+    s = _facts_and_fillers(small, tmp_path)
     s.reconfigure(**changes)
     events: list[ev.Event] = []
     result = s.send("What is my locker code?", on_event=events.append)
@@ -161,11 +167,7 @@ def test_a_long_history_reads_what_fits_instead_of_the_whole(small: Engine, tmp_
     messages that fit the budget, not the whole history (here: every message stands out at τ = 0)."""
     from agent.gate import WHOLE_REREAD_FACTOR  # noqa: PLC0415
 
-    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=8,
-                 gate="off", page_size=4, seed=3, sketch_layers="10,20", reread_copy=False)
-    s = ChatSession(cfg, Store(tmp_path / "log.db"), small, "smollm2-135m")
-    for text in FACTS + FILLERS:
-        drive.forced(s, text, "Noted.")
+    s = _facts_and_fillers(small, tmp_path)
     history = sum(len(m.tokens) for m in s.store.messages(s.conversation_id) if m.tokens is not None)
     budget = 48
     assert history > WHOLE_REREAD_FACTOR * budget, "the fixture's history must pass the whole-re-read limit"
