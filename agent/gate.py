@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 import numpy as np
 
-from agent import calibration, certificate, policies
+from agent import calibration, certificate, policies, repetition
 from agent.certificate import CertificateForm
 from agent.config import Config, parse_gate
 from native import patched, poisson
@@ -143,15 +143,22 @@ SHARE_FLOOR = 1e-4
 """The smallest baseline share an anomaly divides by, so a message earlier questions ignored does not read as
 infinitely anomalous on noise."""
 
+REPEATS_CHECKED = 24
+"""The most anomalous messages checked for being a question the turn repeats (agent.repetition): more than a
+targeted re-read ever takes (``MAX_TARGETED``), read from the log in one query."""
+
+MessageTexts = Callable[[Sequence[int]], dict[int, str]]
+"""The log's text of the messages at some indices (the session reads them from the store)."""
+
 
 def recorded_shares(messages: dict[str, dict[str, Any]],
                     skip: Collection[int] = ()) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """From a turn's recorded ``sketch.messages`` (see :meth:`Gate.read_sketch`): per message more than half
-    evicted with a baseline (and not in ``skip``) — the messages ``sketch.max`` ranges over — its share and its
-    baseline in each sketch layer."""
+    evicted with a baseline, not a question the turn repeats and not in ``skip`` — the messages ``sketch.max``
+    ranges over — its share and its baseline in each sketch layer."""
     return {int(m): (np.asarray(v["share"], float), np.asarray(v["base"], float))
             for m, v in messages.items()
-            if v["base"] is not None and v["evicted"] > v["live"] and int(m) not in skip}
+            if v["base"] is not None and v["evicted"] > v["live"] and not v.get("repeat") and int(m) not in skip}
 
 
 def recorded_ratios(messages: dict[str, dict[str, Any]], skip: Collection[int] = ()) -> dict[int, np.ndarray]:
@@ -387,9 +394,10 @@ class Gate:
         self.turn.discarded = True
 
     def read_question(self, engine: "Engine", rows: int, sampled_design: bool,
-                      reading: patched.Importance | None = None) -> None:
+                      reading: patched.Importance | None = None, texts: MessageTexts | None = None) -> None:
         """The last feed's last ``rows`` rows are the question: their certificate, with the sample it rests on;
-        ``reading``: that feed's attention, when already read from the graph."""
+        ``reading``: that feed's attention, when already read from the graph; ``texts``: the log's messages, to
+        tell the sketch which old messages the question merely repeats."""
         if not engine.reading or rows <= 0:
             return
         cache = engine.cache
@@ -414,9 +422,9 @@ class Gate:
         turn.uncertified = sampled_design and evicted and units < 2
         turn.evicted_share = share
         if engine.sketch is not None and engine.sketch.n_tokens:
-            self.read_sketch(engine, reading)
+            self.read_sketch(engine, reading, texts)
 
-    def read_sketch(self, engine: "Engine", reading: patched.Importance) -> None:
+    def read_sketch(self, engine: "Engine", reading: patched.Importance, texts: MessageTexts | None = None) -> None:
         """Phase 1 of the two-phase design: the question's attention on every earlier message, the evicted part
         estimated from the sketch, and how far it exceeds what earlier questions paid the message.
 
@@ -430,8 +438,11 @@ class Gate:
         anomalous on turn after turn: docs/results/NOTES.md). A message's anomaly is the largest ratio, over the sketch layers, of this share
         to its median over the earlier turns (at least two; the median floored at ``SHARE_FLOOR``); ``sketch.max``
         is the largest anomaly over the messages more than half evicted — the ones the certificate of the kept
-        sample cannot speak for. The turn's detail records, per message with evicted cells, ``share`` and
-        ``base`` per layer, ``anomaly`` (None before two earlier turns), and its ``evicted`` and ``live`` cells."""
+        sample cannot speak for. An earlier question this one repeats word for word (``agent.repetition``, read
+        from ``texts``) is left out: the pull on an earlier copy of its own words is no sign that the question
+        needs what that copy says. The turn's detail records, per message with evicted cells, ``share`` and ``base``
+        per layer, ``anomaly`` (None before two earlier turns), its ``evicted`` and ``live`` cells, and
+        ``repeat`` where it was left out as a repeat."""
         sk = engine.sketch
         assert sk is not None
         score = sk.score(engine.read_queries())
@@ -474,6 +485,11 @@ class Gate:
             record[int(m)] = {"share": _sig(share[:, m]), "base": None if base is None else _sig(base),
                               "anomaly": None if anomaly is None else _sig(anomaly),
                               "evicted": int(n_gone[m]), "live": int(n_live[m])}
+        if texts is not None and anomalies and len(segs):
+            for m in self._repeats(texts, int(segs[-1]), anomalies):
+                del anomalies[m]
+                excess.pop(m, None)
+                record[m]["repeat"] = True
         turn = self.turn
         turn.sketch_layers = [int(x) for x in layers]
         turn.sketch_messages = record
@@ -483,6 +499,14 @@ class Gate:
         turn.implicated = sorted(anomalies.items(), key=lambda kv: -kv[1])[:5]
         turn.sketch = {"sketch.max": max(anomalies.values(), default=0.0),
                        "sketch.evicted_mass": float(gone.sum(axis=1).mean())}
+
+    @staticmethod
+    def _repeats(texts: MessageTexts, question: int, anomalies: dict[int, float]) -> list[int]:
+        """The most anomalous messages (``REPEATS_CHECKED`` of them) whose words the question repeats."""
+        top = sorted(anomalies, key=lambda m: -anomalies[m])[:REPEATS_CHECKED]
+        got = texts([question, *top])
+        asked = got.get(question, "")
+        return [m for m in top if asked and m in got and repetition.is_repeat(asked, got[m])]
 
     def question_decision(self) -> GateDecision:
         tau = self.threshold()

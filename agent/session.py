@@ -338,7 +338,7 @@ class ChatSession:
             with clock("certificate"):
                 reading = self.memory.after_prefill()
                 if reading is not None:
-                    self.gate.read_question(self.engine, self.config.cert_window, sampled, reading)
+                    self.gate.read_question(self.engine, self.config.cert_window, sampled, reading, self._texts)
             with clock("store"):
                 self.store.set_message_tokens(turn.user.id, tokens, turn.first_pos)
             self._segments.append(turn.segment)
@@ -348,7 +348,7 @@ class ChatSession:
             if held:
                 turn.prefill_ms += self.engine.feed(tokens[len(tokens) - held:], segment=index, cancel=cancel)
                 with clock("certificate"):
-                    self.gate.read_question(self.engine, held, sampled)
+                    self.gate.read_question(self.engine, held, sampled, texts=self._texts)
         except BaseException:
             self._abandon(turn, "prefill")
             raise
@@ -363,7 +363,11 @@ class ChatSession:
         self.memory.set_readout(True)
         self.engine.truncate(self.engine.next_pos - w)
         self.engine.feed(turn.tokens[-w:], segment=turn.user.index)
-        self.gate.read_question(self.engine, w, self.memory.policy.sampled)
+        self.gate.read_question(self.engine, w, self.memory.policy.sampled, texts=self._texts)
+
+    def _texts(self, indices: Sequence[int]) -> dict[int, str]:
+        """The log's text of this conversation's messages at ``indices`` (what the gate compares the question with)."""
+        return self.store.contents(self.conversation_id, indices)
 
     def _gate_question(self, turn: Turn, on_event: EventSink, cancel: threading.Event | None) -> None:
         """Re-read the history when the question's certificate reaches τ (or the turn is uncertified)."""

@@ -509,6 +509,16 @@ class Store:
             )
         return [_message(row) for row in rows]
 
+    def contents(self, conversation_id: int, indices: Sequence[int]) -> dict[int, str]:
+        """The text of the conversation's messages at ``indices`` (those that exist), by index."""
+        wanted = sorted({int(i) for i in indices})
+        if not wanted:
+            return {}
+        marks = ", ".join("?" * len(wanted))
+        rows = self._read(f"SELECT idx, content FROM messages WHERE conversation_id = ? AND idx IN ({marks})",
+                          (conversation_id, *wanted))
+        return {int(idx): str(content) for idx, content in rows}
+
     def rereadable(self, conversation_id: int) -> list[Message]:
         """The messages a re-read gives the model: all but those marked discarded, refused or unanswered
         (a cancelled or independent turn, a message refused as too long, one whose writer died before

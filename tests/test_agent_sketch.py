@@ -102,6 +102,28 @@ def test_every_turn_records_the_question_s_attention_on_evicted_messages(engine:
     np.testing.assert_allclose(total, 1.0, rtol=1e-6)
 
 
+def test_an_earlier_copy_of_the_question_is_no_anomaly(engine: Engine, tmp_path: Path) -> None:
+    question = "Could you tell me how your last message started?"
+    s = ChatSession(_config(), Store(tmp_path / "log.db"), engine, "smollm2-135m")
+    for text in FACTS + FILLERS[:2] + [question] + FILLERS[2:]:
+        drive.forced(s, text, "Noted.")
+    copy = next(m.index for m in s.store.messages(s.conversation_id) if m.content == question)
+    asked = s.send(question).certificate_detail  # the same words again
+    records = asked["sketch.messages"]
+    assert records[copy]["evicted"] > records[copy]["live"] and records[copy]["base"] is not None, \
+        "the earlier copy is evicted and has a baseline, so sketch.max would range over it"
+    assert records[copy].get("repeat") is True
+    assert copy not in [m for m, _ in asked["sketch.top"]]
+    assert copy not in s.gate.turn.anomalies and copy not in s.gate.turn.excess
+    # the offline helpers leave it out too, so studies recompute the statistic the gate read
+    ratios = recorded_ratios(records)
+    assert copy not in ratios
+    assert max((float(r.max()) for r in ratios.values()), default=0.0) == pytest.approx(asked["sketch.max"], rel=2e-3)
+    # a question about a fact repeats nothing
+    about = s.send("What is my locker code?").certificate_detail["sketch.messages"]
+    assert not any(r.get("repeat") for r in about.values())
+
+
 def test_the_sketch_needs_a_sampled_design_and_valid_layers(engine: Engine, tmp_path: Path) -> None:
     ChatSession(_config(policy="topk"), Store(tmp_path / "a.db"), engine, "smollm2-135m")
     assert engine.sketch is None, "a deterministic design keeps no sketch: the gate reads none"
