@@ -214,6 +214,17 @@ def test_history_for_reprefill(store: Store) -> None:
     assert tokens.tolist() == list(range(1, 11))
 
 
+def test_contents_of_some_messages_by_index(store: Store) -> None:
+    c = store.create_conversation()
+    other = store.create_conversation()
+    for text in ("You are terse.", "How did your last message start?", "It started: Hi."):
+        store.append_message(c.id, "user" if text.endswith("?") else "assistant", text)
+    store.append_message(other.id, "user", "Not this conversation's.")
+    assert store.contents(c.id, [2, 1, 1, 7]) == {1: "How did your last message start?", 2: "It started: Hi."}
+    assert store.contents(other.id, [0, 1]) == {0: "Not this conversation's."}
+    assert store.contents(c.id, []) == {}
+
+
 def test_history_with_position_gaps_and_errors(store: Store) -> None:
     c = store.create_conversation()
     store.append_user_message(c.id, "a", tokens=[1, 2], first_pos=0)
