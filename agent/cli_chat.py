@@ -73,6 +73,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         print("certchat ask: empty message; pass the text as arguments or on stdin", file=sys.stderr)
         return 2
     session = open_session(cfg, args.db, None if args.new else args.conversation)
+    if session.opened is not None and not args.json:
+        print(f"[{session.opened.words()}]", file=sys.stderr)
     sink = (lambda e: None) if args.json else _print_event
     try:
         result = session.send(text, on_event=sink)
@@ -81,7 +83,11 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         # the status beside the turn: below config evict_from the chat runs the full cache (ev.MemoryView)
-        print(json.dumps({**result.as_json(), "full_cache_until": session.memory.full_until}))
+        opened = session.opened
+        print(json.dumps({**result.as_json(), "full_cache_until": session.memory.full_until,
+                          "resumed": opened.resumed if opened is not None else None,
+                          "resume_reason": opened.reason if opened is not None else None,
+                          "open_ms": round(opened.ms, 1) if opened is not None else None}))
     else:
         print()
     return 0

@@ -1,4 +1,4 @@
-"""``certchat log …``: list, show, search, export and import the conversation log.
+"""``certchat log …``: list, show, search, delete, export and import the conversation log.
 
 Thin: parses arguments, calls ``memory_store``, prints. The database is
 ``agent.paths.db_path()`` (XDG data dir, or ``CERTCHAT_DB``) unless ``--db``
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from agent import cli_errors, paths
+from agent.saved_state import SavedStates, discard
 from memory_store import Conversation, DatabaseMissingError, DiskFullError, Message, ReadOnlyError, Store, StoreError
 from memory_store.export import export_jsonl, export_markdown, import_jsonl
 from memory_store.records import NOT_REREAD
@@ -78,22 +79,46 @@ def _print_json(data: Any, out: IO[str]) -> None:
     out.write(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
 
 
+def _size_words(n: int | None) -> str:
+    """A file size as people read it: 20.3M, 512K, – for none."""
+    if n is None:
+        return "–"
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
 def _list(args: argparse.Namespace) -> int:
     store = _open(args)
     conversations = [] if store is None else store.list_conversations(limit=args.limit)
     if store is not None:
         store.close()
+    # what reopening each conversation resumes from instead of re-reading its log (certchat's saved states)
+    states = SavedStates.beside(_db(args), 1).sizes()
     if args.json:
-        _print_json([_conversation_json(c) for c in conversations], sys.stdout)
+        _print_json([{**_conversation_json(c), "state_bytes": states.get(c.id)} for c in conversations], sys.stdout)
         return 0
     if not conversations:
         print("no conversations")
         return 0
-    print(f"{'ID':>5}  {'MSGS':>5}  {'UPDATED':<19}  TITLE")
+    print(f"{'ID':>5}  {'MSGS':>5}  {'STATE':>6}  {'UPDATED':<19}  TITLE")
     for c in conversations:
         title = _safe(c.title) or "(untitled)"
         model = f"  [{_safe(c.model)}]" if c.model else ""
-        print(f"{c.id:>5}  {c.message_count:>5}  {c.updated_at[:19].replace('T', ' '):<19}  {title}{model}")
+        print(f"{c.id:>5}  {c.message_count:>5}  {_size_words(states.get(c.id)):>6}  "
+              f"{c.updated_at[:19].replace('T', ' '):<19}  {title}{model}")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    store = _open(args)
+    if store is None:
+        raise StoreError(f"{_db(args)}: no conversation {args.id} (the database does not exist)")
+    with store:
+        store.delete_conversation(args.id)
+    discard(_db(args), args.id)
+    print(f"deleted conversation {args.id}")
     return 0
 
 
@@ -234,6 +259,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("id", type=int, metavar="ID")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cli_errors.guard(_show, prefix=""))
+
+    p = actions.add_parser("delete", parents=[db_option], help="delete a conversation and its saved state")
+    p.add_argument("id", type=int, metavar="ID")
+    p.set_defaults(func=cli_errors.guard(_delete, prefix=""))
 
     p = actions.add_parser("search", parents=[db_option], help="full-text search over message content")
     p.add_argument("text", metavar="TEXT")

@@ -133,6 +133,11 @@ class Config:
     """Also read the certificate at every answer step (the answer.* statistics; replays turn it on). Off, the
     certificate is computed for the question window only, and answer decoding runs at full speed; an answer.*
     gate_stat turns it on regardless."""
+    saved_states_mb: int = 2048
+    """Disk budget, in MiB, for saved chat states: after every turn the evicted cache and what describes it are
+    saved beside the log, so that reopening the chat (the TUI's list, ``ask --conversation``) resumes it instead of
+    re-reading the whole log. The least recently used states go first when they outgrow the budget; a state is
+    never the source of truth (deleting them loses nothing but time). 0: save none."""
     theme: str = "textual-dark"
     """Textual theme name for the chat UI."""
     keys: dict[str, str] = field(default_factory=dict)
@@ -197,6 +202,10 @@ class Config:
         if not 1 <= self.question_window <= 64 or not 1 <= self.cert_window <= 64:
             raise ConfigError("question_window/cert_window: must be in [1, 64]")
         sketch_layers(self.sketch_layers)
+        if isinstance(self.saved_states_mb, bool) or not isinstance(self.saved_states_mb, int) \
+                or self.saved_states_mb < 0:
+            raise ConfigError(f"saved_states_mb: must be a size in MiB, 0 or more (0 saves no chat states), "
+                              f"got {self.saved_states_mb!r}")
         if self.reread_budget < 0:
             raise ConfigError(f"reread_budget: must be 0 or more tokens (0 = always re-read the whole history), "
                               f"got {self.reread_budget}")

@@ -8,7 +8,8 @@ import platform
 import sqlite3
 from typing import Any
 
-from agent import models, paths
+from agent import config as config_mod, models, paths
+from agent.saved_state import SavedStates, state_dir
 from native import runtime
 
 PATCH_MARKER = "llama_certchat_patch_version"
@@ -50,6 +51,7 @@ def report() -> dict[str, Any]:
             f"Python's SQLite {sqlite3.sqlite_version} is in the range affected by SQLite's WAL-reset race "
             "(3.7.0–3.51.2, fixed in 3.51.3): certchat writes one log from several connections, so a rare "
             "interleaving can lose a commit; use a Python whose sqlite3 is 3.51.3 or newer")
+    out["saved_states"] = _saved_states()
     out["models"] = {}
     for name in models.REGISTRY:
         found = models.state(name)
@@ -78,6 +80,17 @@ def report() -> dict[str, Any]:
     except (runtime.NativeNotBuilt, OSError) as err:
         out["errors"].append(str(err))
     return out
+
+
+def _saved_states() -> dict[str, Any]:
+    """The saved chat states beside the log: how many, their size, and the disk budget they are pruned under."""
+    try:
+        budget_mb = config_mod.load().saved_states_mb
+    except config_mod.ConfigError:
+        budget_mb = config_mod.Config().saved_states_mb
+    states = SavedStates.beside(paths.db_path(), budget_mb).states()
+    return {"dir": str(state_dir(paths.db_path())), "count": len(states), "bytes": sum(s.size for s in states),
+            "budget_bytes": budget_mb * 1024 * 1024}
 
 
 def wal_reset_race(version: str) -> bool:
@@ -112,6 +125,11 @@ def render(data: dict[str, Any]) -> str:
         f"config            : {data['config_path']}",
         f"database          : {data['db_path']}",
     ]
+    saved = data.get("saved_states")
+    if saved:
+        lines.append(f"saved chat states : {saved['count']} in {saved['dir']}, {saved['bytes'] / 2**20:.1f} MiB of "
+                     f"{saved['budget_bytes'] / 2**20:.0f} MiB" if saved["budget_bytes"] else
+                     f"saved chat states : off (saved_states_mb = 0); {saved['count']} left in {saved['dir']}")
     lines += [f"warning: {text}" for text in data.get("warnings", [])]
     lines += [f"problem: {err}" for err in data["errors"]]
     return "\n".join(lines)

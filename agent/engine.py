@@ -319,6 +319,11 @@ class Engine:
         self._sketch_spec = (tuple(layers), bits, window)
         self.ctx.set_attn_queries(layers if layers and self.readout[0] else None, max(1, window))
 
+    @property
+    def sketch_spec(self) -> tuple[tuple[int, ...], int, int]:
+        """(layers, bits, query window) of the sketch (:meth:`set_sketch`); no layers: none."""
+        return self._sketch_spec
+
     def read_queries(self) -> patched.Queries:
         return self.ctx.attn_queries()
 

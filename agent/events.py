@@ -144,6 +144,23 @@ class Notice:
 
 
 @dataclass(frozen=True)
+class Opened:
+    """How a logged conversation was reopened: resumed from its saved state, or its log re-read (and why)."""
+
+    resumed: bool
+    reason: str
+    """Why the saved state was not used ("" when it was)."""
+    reread_tokens: int
+    ms: float
+
+    def words(self) -> str:
+        """"resumed" or "re-read 3.2k tokens (no saved state)"."""
+        if self.resumed:
+            return "resumed"
+        return f"re-read {tokens_words(self.reread_tokens)} tokens ({self.reason})"
+
+
+@dataclass(frozen=True)
 class MemoryView:
     """What the model still remembers, for the memory panel."""
 
@@ -160,6 +177,8 @@ class MemoryView:
     tok_per_s: float | None = None
     reread: tuple[int, ...] = ()
     """Indices of the messages the last turn's targeted re-read brought back (the panel marks their turns)."""
+    opened: str | None = None
+    """How the conversation was reopened ("resumed", "re-read N tokens (why)"); None for one started here."""
     full_cache_until: int | None = None
     """While the history is below config ``evict_from`` an evicting policy runs the full cache: that length, in
     tokens (None once eviction applies, or under a policy that never evicts)."""

@@ -261,6 +261,18 @@ def choose_messages(messages: Sequence[Any], room: int) -> tuple[list[Any], bool
     return head + tail, True
 
 
+@dataclass(frozen=True)
+class GateState:
+    """What a gate carries from one turn to the next (:meth:`Gate.state`)."""
+
+    statistic: str
+    recent: list[float]
+    """The conversation's turn statistics, oldest first."""
+    paid: dict[int, list[np.ndarray]]
+    """Per message index: its share of each earlier question's attention, per sketch layer."""
+    paid_layers: tuple[int, ...] | None
+
+
 class Gate:
     """The gate of one session: threshold, statistic, the turn's certificates, and the re-read planner."""
 
@@ -335,15 +347,35 @@ class Gate:
 
     # -- the turn's certificates ---------------------------------------------------------
     def begin_turn(self) -> TurnCertificates:
+        folded = self.state()
+        self._paid, self._recent = folded.paid, folded.recent
+        self.turn = TurnCertificates()
+        return self.turn
+
+    def state(self) -> "GateState":
+        """What the next turn starts from: the baselines and recent statistics with this turn folded in, as
+        :meth:`begin_turn` folds it (a saved chat state carries it, so a resumed chat gates as if never closed)."""
+        paid = {message: list(shares) for message, shares in self._paid.items()}
+        recent = list(self._recent)
         previous = self.turn
         for message, share in previous.shares.items():
-            self._paid.setdefault(message, []).append(share)
+            paid.setdefault(message, []).append(share)
         if not previous.discarded:
             value = previous.statistics(self.decision_form()).get(self.statistic)
             if value is not None and math.isfinite(value):
-                self._recent.append(float(value))
-        self.turn = TurnCertificates()
-        return self.turn
+                recent.append(float(value))
+        return GateState(self.statistic, recent, paid, self._paid_layers)
+
+    def resume(self, state: "GateState") -> bool:
+        """Go on from a :meth:`state` of this conversation; False (nothing changed) when it was read under another
+        statistic than this gate's."""
+        if state.statistic != self.statistic:
+            return False
+        self.new_conversation()
+        self._recent = list(state.recent)
+        self._paid = {message: list(shares) for message, shares in state.paid.items()}
+        self._paid_layers = state.paid_layers
+        return True
 
     def new_conversation(self) -> None:
         """A new or reopened conversation: no copy, no baselines, no recent statistics."""

@@ -23,6 +23,7 @@ The session is the only writer of the store during a turn. Replays compose the s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -33,17 +34,20 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from agent import events as ev
+from agent import resume
 from agent.config import Config
 from agent.engine import Engine, EngineSettings, Generation
 from agent.gate import Gate, GateDecision, ReadPlan, TargetedRead
 from agent.memory import CacheManager, EvictionReport
+from agent.saved_state import SavedStates, StateError, model_digest
 from agent.template import ChatTemplate, Message as TemplateMessage, strip_bos
 from memory_store.records import EvictionRound, Message, Turn as TurnRecord
 from memory_store.store import Store
 from memory_store.stream import AssistantStream
-from native import llama, poisson
+from native import llama, poisson, runtime
 
 EventSink = Callable[[ev.Event], None]
+log = logging.getLogger(__name__)
 
 
 class InputError(ValueError):
@@ -116,8 +120,13 @@ class ChatSession:
     """A conversation bound to an engine, a store, a cache manager and a gate."""
 
     def __init__(self, config: Config, store: Store, engine: Engine, model_name: str,
-                 conversation_id: int | None = None) -> None:
+                 conversation_id: int | None = None, saver: resume.Saver | None = None) -> None:
         self.config = config
+        self.saver = saver
+        """Where the state goes after every turn and comes from when a conversation is reopened (None: nowhere;
+        reopening re-reads the log)."""
+        self.opened: ev.Opened | None = None
+        """How the open conversation was last reopened: resumed from its saved state, or re-read (and why)."""
         self.store = store
         self.engine = engine
         self.model_name = model_name
@@ -142,7 +151,11 @@ class ChatSession:
         engine too."""
         engine = Engine(EngineSettings.from_config(config, model_path))
         try:
-            session = cls(config, store, engine, model_name, conversation_id=conversation_id)
+            saver = None
+            if config.saved_states_mb > 0:
+                saver = resume.Saver(SavedStates.beside(store.path, config.saved_states_mb), model_digest(model_path),
+                                     runtime.built_libs().key)
+            session = cls(config, store, engine, model_name, conversation_id=conversation_id, saver=saver)
         except BaseException:
             engine.close()
             raise
@@ -168,6 +181,7 @@ class ChatSession:
         conv = self.store.create_conversation(title=title, model=self.model_name,
                                               settings={"policy": self.config.policy, "budget": self.config.budget})
         self.conversation_id = conv.id
+        self.opened = None
         self.gate.new_conversation()
         self.engine.reset()
         self.memory.reset()
@@ -185,28 +199,97 @@ class ChatSession:
         return conv.id
 
     def open(self, conversation_id: int, on_event: EventSink = _ignore) -> None:
-        """Continue a logged conversation: its exact tokens are re-prefilled (``Rereading`` events report the
-        progress), then evicted to budget; eviction rounds continue the log's numbering, and the gate resumes from
-        the turn records (its baselines and recent statistics: :meth:`Gate.restore`). The conversation is
+        """Continue a logged conversation. Its saved state, when it matches the model, the settings and the log,
+        is the cache as the conversation left it (:meth:`_resume`); otherwise its exact tokens are re-prefilled
+        (``Rereading`` events report the progress), then evicted to budget; eviction rounds continue the log's
+        numbering, and the gate resumes from the turn records (its baselines and recent statistics:
+        :meth:`Gate.restore`). Either way ``opened`` and a ``Notice`` say which ran, and why. The conversation is
         claimed for this process first, so a second writer is refused before the re-read."""
         self.store.claim_conversation(conversation_id)
         self.conversation_id = conversation_id
+        started = time.perf_counter()
+        reason = self._resume(conversation_id)
+        if reason is None:
+            self.opened = ev.Opened(True, "", 0, (time.perf_counter() - started) * 1000.0)
+            on_event(ev.Notice(self.opened.words(), "info"))
+            return
+        tokens = self._reread_log(conversation_id, on_event)
+        self.opened = ev.Opened(False, reason, tokens, (time.perf_counter() - started) * 1000.0)
+        on_event(ev.Notice(self.opened.words(), "info"))
+        self._save_state()
+
+    def _reread_log(self, conversation_id: int, on_event: EventSink) -> int:
+        """Re-prefill the log's exact tokens into an empty cache and evict to budget; returns the tokens fed."""
         logged = self.store.turns(conversation_id)
-        # a rolled-back turn's answer is logged discarded; a replaced one (teacher forcing) was answered and kept
-        rolled_back = {m.id for m in self.store.messages(conversation_id)
-                       if m.meta.get("discarded") and not m.meta.get("replaced")}
         # the gate goes on from the log: its recent statistics and the messages' baselines, as if never closed
-        self.gate.restore([t.extra.get("gate", {}) for t in logged if t.message_id not in rolled_back])
+        self.gate.restore([t.extra.get("gate", {}) for t in self._kept_turns(conversation_id)])
         self.engine.reset()
         self.memory.reset(round=self.store.next_eviction_round(conversation_id))
         self._segments = []
         self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired) for i, t in enumerate(logged)]
         self.memory.set_readout(True)
-        self._read_history(self._plan_reread(), on_event=on_event, keep_copy=True)
+        fed = self._read_history(self._plan_reread(), on_event=on_event, keep_copy=True)
         self.memory.after_prefill()
         report = self.memory.evict(protect_from=self.engine.next_pos)
         if report is not None:
             self._log_round(report, None)
+        return fed
+
+    # -- saved states ------------------------------------------------------------------------------
+    def _state_key(self) -> dict[str, Any]:
+        assert self.saver is not None
+        return self.saver.key(self.config, self.engine, self.gate.statistic)
+
+    def _resume(self, conversation_id: int) -> str | None:
+        """Go on from the conversation's saved state; the reason it cannot be used (nothing changed then)."""
+        if self.saver is None:
+            return "saved states are off"
+        try:
+            state = self.saver.load(conversation_id, self._state_key(), self.engine.settings.threads)
+        except StateError as err:
+            return str(err) if str(err) == "no saved state" else f"the saved state was not used: {err}"
+        rereadable = self.store.rereadable(conversation_id)
+        why = resume.check_against_log(state, rereadable)
+        if why is not None:
+            return f"the saved state was not used: {why}"
+        try:
+            self.engine.reset()
+            self.engine.restore(state.engine)
+        except (llama.LlamaError, ValueError) as err:
+            self.engine.reset()
+            return f"the saved state was not used: llama.cpp refused it ({err})"
+        self.gate.resume(state.gate)
+        self.memory.reset(round=state.memory[0])
+        self.memory.restore(state.memory)
+        by_index = {m.index: m for m in rereadable}
+        self._segments = [_Segment(i, by_index[i].role, by_index[i].content) for i in state.segments]
+        self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired) for i, t in enumerate(self.store.turns(conversation_id))]
+        return None
+
+    def _kept_turns(self, conversation_id: int) -> list[TurnRecord]:
+        """The conversation's turns but those whose answer was rolled back (an independent probe's); a replaced
+        answer (teacher forcing) was answered and kept."""
+        rolled_back = {m.id for m in self.store.messages(conversation_id)
+                       if m.meta.get("discarded") and not m.meta.get("replaced")}
+        return [t for t in self.store.turns(conversation_id) if t.message_id not in rolled_back]
+
+    def _save_state(self, last_message_id: int | None = None) -> None:
+        """Save what the next turn needs (after a turn, or a re-read on opening). A failure costs only the next
+        reopening's time: it is logged, never raised."""
+        if self.saver is None:
+            return
+        try:
+            if last_message_id is None:
+                rereadable = self.store.rereadable(self.conversation_id)
+                if not rereadable:
+                    return
+                last_message_id = rereadable[-1].id
+            state = resume.SessionState(self.conversation_id, last_message_id, [s.index for s in self._segments],
+                                        self.engine.snapshot(), self.memory.snapshot(), self.gate.state())
+            self.saver.save(state, self._state_key())
+        except (OSError, ValueError, llama.LlamaError) as err:
+            log.warning("could not save the state of conversation %s (%s); reopening it will re-read the log",
+                        self.conversation_id, err)
 
     # -- the turn ------------------------------------------------------------------------------
     def send(self, text: str, on_event: EventSink = _ignore, cancel: threading.Event | None = None) -> ev.TurnResult:
@@ -271,6 +354,7 @@ class ChatSession:
         on_event(ev.TurnFinished(result, self.memory_view(turn.reread_indices)))
         if refused is not None:
             raise refused
+        self._save_state(turn.answer_id)
         return result
 
     def evict_turn_end(self, turn: Turn, on_event: EventSink = _ignore) -> None:
@@ -731,6 +815,7 @@ class ChatSession:
             certificates=list(self._turn_certs), gate_threshold=self.gate.threshold(), tok_per_s=self._last_tok_s,
             reread=reread,
             full_cache_until=self.memory.full_until,
+            opened=self.opened.words() if self.opened is not None else None,
         )
 
     def _message_lengths(self) -> dict[int, int]:

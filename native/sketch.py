@@ -490,6 +490,31 @@ class EvictedKeySketch:
         self._messages[n0:n0 + m] = rows.messages
         self._n = n0 + m
 
+    def rows(self) -> SketchRows:
+        """Every stored row as it is stored (a copy), in the order appended: with :attr:`channel_scale`, all
+        :meth:`from_rows` needs to rebuild this sketch exactly (a saved chat state)."""
+        if self._codes is None or self._scales is None:
+            return self.take(np.empty(0, np.int32))
+        n = self._n
+        return SketchRows(self._codes[:, :n].copy(), self._scales[:, :n].copy(), self._positions[:n].copy(),
+                          self._messages[:n].copy())
+
+    @classmethod
+    def from_rows(cls, layers: Sequence[int], n_kv_head: int, head_dim: int, bits: int, channel_norm: bool,
+                  channel: NDArray[np.float32] | None, rows: SketchRows, threads: int = 0) -> "EvictedKeySketch":
+        """A sketch holding ``rows`` on the channel scales ``channel`` (what :meth:`rows` and
+        :attr:`channel_scale` returned), so it scores and appends as the one they came from."""
+        sketch = cls(tuple(layers), n_kv_head, head_dim, bits, channel_norm=channel_norm, threads=threads)
+        if channel is not None:
+            width = n_kv_head * head_dim
+            channel = np.ascontiguousarray(channel, dtype=np.float32)
+            if channel.shape != (len(sketch.layers), width):
+                raise SketchError(f"from_rows: channel scales of shape {channel.shape}, not "
+                                  f"[{len(sketch.layers)}, {width}]")
+            sketch._channel = channel
+        sketch.put(rows)
+        return sketch
+
     def keys(self) -> NDArray[np.float32]:
         """The stored rows as scoring sees them, [n_layers, n, width] F32."""
         n, width = self._n, self.n_kv_head * self.head_dim

@@ -60,7 +60,7 @@ def test_list(db: Path, capsys) -> None:
     code, out, err = run(["log", "--db", str(db), "list"], capsys)
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["ID", "MSGS", "UPDATED", "TITLE"]
+    assert lines[0].split() == ["ID", "MSGS", "STATE", "UPDATED", "TITLE"]
     assert "Trip" in lines[1] and "Cats" in lines[2] and "[qwen2.5-0.5b]" in lines[2]
     code, out, _ = run(["log", "list", "--json", "--db", str(db)], capsys)
     data = json.loads(out)

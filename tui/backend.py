@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from agent import events as ev
+from agent import events as ev, saved_state
 from agent.config import Config
 from agent.session import ChatSession
 from memory_store import export
@@ -154,6 +154,7 @@ class Backend:
             s = self._session()
             self.created.discard(conversation_id)
             self.store.delete_conversation(conversation_id)
+            saved_state.discard(self.store.path, conversation_id)
             if s.conversation_id == conversation_id:
                 cid = s.new_conversation(title=NEW_TITLE)
                 self.created.add(cid)

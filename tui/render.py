@@ -72,6 +72,8 @@ def status_line(info: StatusInfo) -> Content:
         parts.append(Content(f"cells {m.live_cells}/{m.allocated_cells}{budget}"))
         if m.full_cache_until is not None:
             parts.append(Content(ev.full_cache_words(m.full_cache_until)))
+        if m.opened is not None:
+            parts.append(Content(m.opened))
         parts.append(Content(f"{m.tok_per_s:.1f} tok/s" if m.tok_per_s else "– tok/s"))
         tau = m.gate_threshold
         if info.certificate is None:
