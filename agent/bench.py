@@ -585,6 +585,15 @@ def main(args: argparse.Namespace) -> int:
             if r["history"] in TTFT_LENGTHS:
                 arm = "full" if r["arm"] == "full" else "evicted"
                 keyed[f"ttft_ms_{arm}_{r['history'] // 1024}k"] = r["ttft_ms"]
+    if args.only == "resume":
+        from agent import resume_bench  # noqa: PLC0415 — its own figures, printed on their own
+        say = lambda text: print(f"[bench] {text}", file=sys.stderr, flush=True)  # noqa: E731
+        lengths = resume_bench.QUICK_LENGTHS if args.quick else resume_bench.LENGTHS
+        rows = resume_bench.run(args.model, lengths, args.threads, say)
+        print(resume_bench.render(args.model, args.threads, rows))
+        if args.json:
+            print(json.dumps({"model": args.model, "threads": args.threads, "resume": rows}))
+        return 0
     keyed = {**out, **keyed}
     print(render(out))
     if args.json:
@@ -606,8 +615,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the session turns keep an evicted-key sketch of these layers and time it (\"\": none; "
                         f"default: the config's, else {SKETCH_LAYERS})")
     p.add_argument("--sketch-bits", dest="sketch_bits", type=int, default=Config().sketch_bits, choices=(4, 8, 32))
-    p.add_argument("--only", choices=("all", "decode", "turn", "length"), default="all",
+    p.add_argument("--only", choices=("all", "decode", "turn", "length", "resume"), default="all",
                    help="decode: the long-history decode and certificate figures; turn: the session-turn overheads; "
                         "length: turn time and time to first token by history length, full against a 10%% cache "
-                        "(1k–16k; --quick: to 4k)")
+                        "(1k–16k; --quick: to 4k); resume: continuing a logged chat of 4k, 16k and 32k tokens from "
+                        "its saved state against re-reading its log (--quick: 1k, 4k; not part of all)")
     p.set_defaults(func=main)

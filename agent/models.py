@@ -16,7 +16,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent import paths
+from agent import file_memo, paths
 from native.build import sha256_file
 
 GGUF_MAGIC = b"GGUF"
@@ -193,6 +193,8 @@ def validate_gguf(path: Path) -> None:
         raise ModelError(f"cannot read model file {path}: {err.strerror}") from err
     if magic != GGUF_MAGIC:
         raise ModelError(f"{path} is not a GGUF file (bad magic {magic!r}); pass a .gguf model")
+    if file_memo.recall("gguf-valid", path):
+        return  # this very file (path, size, mtime) parsed before: the full parse takes seconds
     try:
         from gguf import GGUFReader  # noqa: PLC0415 — numpy-heavy import only when validating
 
@@ -203,6 +205,7 @@ def validate_gguf(path: Path) -> None:
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
         raise ModelError(f"{path} is truncated: tensors need {end} bytes, the file has {size}")
+    file_memo.remember("gguf-valid", path, True)
 
 
 def resolve(name_or_path: str | None) -> Path:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import struct
 import tempfile
@@ -29,9 +28,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from agent import paths
-
-log = logging.getLogger(__name__)
+from agent import file_memo
+from native.build import sha256_file
 
 MAGIC = b"certchat-state\x00\x00"
 VERSION = 1
@@ -290,34 +288,12 @@ def discard(db_path: Path, conversation_id: int) -> None:
     SavedStates.beside(db_path, 1).delete(conversation_id)
 
 
-_DIGESTS = "model-digests.json"
-
-
 def model_digest(path: Path) -> str:
-    """The GGUF's SHA-256, cached by path, size and modification time under the cache dir (hashing a model
-    takes about a second per GB; a resume should not pay it each time)."""
-    path = Path(path).resolve()
-    st = path.stat()
-    stamp = f"{st.st_size}:{st.st_mtime_ns}"
-    cache_file = paths.cache_dir() / _DIGESTS
-    try:
-        known = json.loads(cache_file.read_text(encoding="utf-8"))
-        if not isinstance(known, dict):
-            known = {}
-    except (OSError, ValueError):
-        known = {}
-    entry = known.get(str(path))
-    if isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("sha256"), str):
-        return str(entry["sha256"])
-    from native.build import sha256_file  # noqa: PLC0415 — the build module is large; only a miss needs it
-
-    digest = sha256_file(path)
-    known[str(path)] = {"stamp": stamp, "sha256": digest}
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1), encoding="utf-8")
-        os.replace(tmp, cache_file)
-    except OSError as err:
-        log.warning("cannot cache the model's hash in %s (%s)", cache_file, err)
+    """The GGUF's SHA-256, hashed once per version of the file (about a second per GB; a resume should not pay it
+    each time)."""
+    known = file_memo.recall("model-sha256", Path(path))
+    if isinstance(known, str):
+        return known
+    digest = sha256_file(Path(path))
+    file_memo.remember("model-sha256", Path(path), digest)
     return digest

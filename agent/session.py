@@ -730,6 +730,12 @@ class ChatSession:
         return fed
 
     # -- the log's messages ----------------------------------------------------------------------
+    def tokenize_log(self, conversation_id: int) -> int:
+        """Give every message of a logged conversation its exact token ids (an imported one carries none), as a
+        re-read would; returns the tokens of what a re-read gives the model."""
+        msgs = [m for m in self.store.history(conversation_id).messages if not m.meta.get("discarded")]
+        return sum(len(m.tokens) for m in self._tokenized(msgs))
+
     def _tokenized(self, msgs: list) -> list:
         """The messages with their token ids; messages logged without them (imported, or
         typed while no model was loaded) are rendered through the template now, in context,
