@@ -309,7 +309,7 @@ def test_status_line_says_full_cache_below_evict_from(make_app: MakeApp) -> None
     drive(app, scenario)
 
 
-def test_conversations_new_rename_search_open_delete(make_app: MakeApp) -> None:
+def test_conversations_new_rename_search_open_delete(make_app: MakeApp, tmp_path: Path) -> None:
     app = make_app()
 
     async def scenario(pilot: Any) -> None:
@@ -340,12 +340,18 @@ def test_conversations_new_rename_search_open_delete(make_app: MakeApp) -> None:
         await pilot.press("enter")  # open the highlighted chat
         await wait_for(pilot, lambda: idle(app) and app.conversation_id == first, what="reopened")
         assert any("zebracorn" in v.text for v in views(app))
+        # it came back from the state saved after its turn, not by re-reading the log, and the status line says so
+        status = render.status_line(app.chat_screen.status.info).plain
+        assert "│ resumed │" in status, status
+        state = tmp_path / "chat-states" / f"conversation-{first}.state"
+        assert state.is_file()
         # Delete it (confirm), and a fresh chat takes its place.
         await pilot.press("f8")
         await pilot.pause(0.2)
         await pilot.press("y")
         await wait_for(pilot, lambda: idle(app) and app.conversation_id not in (first, second), what="deleted")
         assert first not in [c.id for c in store.list_conversations()]
+        assert not state.exists(), "deleting a chat deletes its saved state"
         # An unanswered new chat is not kept once the user moves on.
         before = len(store.list_conversations())
         await pilot.press("ctrl+n")
