@@ -13,6 +13,12 @@ A record may make τ adaptive (``"adaptive": {"factor", "window"}``): the thresh
 the larger of τ and ``factor`` × the median of the conversation's last ``window`` turn statistics
 (:func:`adaptive_tau`), a constant-false-alarm-rate rule — a chat whose ordinary turns already read high
 (long chats that refer back, docs/results/NOTES.md) raises its own bar, and a quiet one keeps τ.
+
+A record holds for the model it was fitted on (``"model_sha256"``, the GGUF's hash; a record naming only a registry
+``"model"`` holds for that model's file). On another model the floor can sit where that model's turns never reach
+it (Qwen2.5-Coder-1.5B's anomalies read 0.4–1.2 against the 0.5B's τ 5.11 at the 0.5B's layers mapped by depth),
+so the gate never fires and eviction forgets silently: :func:`covers` says whether a model has a calibration, and the cache manager keeps such a model's cache
+full under ``gate = "auto"`` (:data:`UNCALIBRATED`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from agent import certificate
+from agent import certificate, models
 from agent.certificate import CertificateForm, Component
 from agent.config import DEFAULT_EVICT_AT
 
@@ -35,6 +41,11 @@ PATH = Path(__file__).parent / "gate_calibration.json"
 # What "auto" means when no calibration file is present (a development checkout mid-study):
 # the question-window maximum, and no threshold — the gate stays off rather than guess.
 FALLBACK_STATISTIC = "question.max"
+
+UNCALIBRATED = "this model's gate is not calibrated: running the full cache (no eviction)"
+"""Why an evicting policy under ``gate = "auto"`` keeps a model's cache full (the status line, doctor, the chat)."""
+UNCALIBRATED_HOW = "to evict anyway, give a threshold (--gate TAU) or turn the gate off (--gate off)"
+"""How to get eviction on such a model; the user then chooses what the gate does."""
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +79,8 @@ class GateCalibration:
     command: str | None
     study_command: str | None
     record: dict[str, Any]
+    model_sha256: str | None = None
+    """The GGUF the record was fitted on (its ``model_sha256``, else the registry's hash of its ``model``)."""
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -86,13 +99,27 @@ def load(path: Path = PATH, evict_at: str = DEFAULT_EVICT_AT) -> GateCalibration
                 return GateCalibration(statistic=str(record["statistic"]), tau=float(record["tau"]),
                                        rule=str(record.get("rule", "fillers")), model=record.get("model"),
                                        command=record.get("command"), study_command=record.get("study_command"),
-                                       record=record)
+                                       record=record, model_sha256=_fitted_on(record))
         log.warning("no gate calibration for evict_at = %r in %s: gate 'auto' is off", evict_at, path)
     except FileNotFoundError:
         log.warning("no gate calibration at %s: gate 'auto' is off", path)
     except (OSError, ValueError, KeyError, TypeError) as err:
         log.warning("unreadable gate calibration %s (%s): gate 'auto' is off", path, err)
     return None
+
+
+def _fitted_on(record: dict[str, Any]) -> str | None:
+    sha = record.get("model_sha256")
+    if sha:
+        return str(sha)
+    named = models.REGISTRY.get(str(record.get("model")))
+    return named.sha256 if named else None
+
+
+def covers(model_sha256: str | None, evict_at: str = DEFAULT_EVICT_AT) -> bool:
+    """Whether the gate calibration for ``evict_at`` was fitted on the GGUF of this hash (``models.gguf_sha256``)."""
+    cal = load(PATH, evict_at)
+    return cal is not None and model_sha256 is not None and cal.model_sha256 == model_sha256
 
 
 def default_statistic(evict_at: str = DEFAULT_EVICT_AT) -> str:

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from agent import file_memo, paths
@@ -242,3 +243,19 @@ def display_name(name_or_path: str | None, path: Path) -> str:
 def sha256_of(name_or_path: str | None, path: Path) -> str:
     """The model's SHA-256: the registry's record for a registry model, else the file's, hashed."""
     return REGISTRY[name_or_path].sha256 if name_or_path in REGISTRY else sha256_file(path)
+
+
+def gguf_sha256(path: Path) -> str:
+    """The SHA-256 of the GGUF at ``path``: the registry's record for a verified registry file in the model cache,
+    else the file hashed (once per file, size and modification time: a 1 GB file takes seconds)."""
+    resolved = path.expanduser().resolve()
+    for name, model in REGISTRY.items():
+        if resolved == model_file(name).resolve() and is_pulled(name):
+            return model.sha256
+    info = resolved.stat()
+    return _hashed(str(resolved), info.st_size, info.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _hashed(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(Path(path))

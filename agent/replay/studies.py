@@ -466,7 +466,9 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
             "budgets": best["budgets"], "protocol": protocol, "in_sample": best["in_sample"],
             "leave_one_script_out": best["leave_one_script_out"],
             **({"sketch": _sketch_spec(result["meta"])} if statistic.startswith("sketch.") else {}),
-            "model": result["meta"].get("model"), "command": result["meta"].get("command"),
+            "model": result["meta"].get("model"),
+            # the GGUF the record holds for (agent.calibration.covers): on another model the gate keeps the cache full
+            "model_sha256": result["meta"].get("model_sha256"), "command": result["meta"].get("command"),
             "study_command": result.get("command"), "machine": result["meta"].get("machine"),
             # the other rule's threshold for the same statistic, so the choice is visible
             "alternatives": [{"rule": c.get("rule", "fillers"), "tau": c["tau"], "budgets": c["budgets"],
