@@ -227,7 +227,9 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
             # A question about the evicted fact, gated on sketch.max just under the value it reads (measured on a
             # rolled-back copy of the turn first), so the gate fires on the message it points at most: the cost of a
             # targeted re-read, whether or not the calibrated τ would have fired here.
-            session.reconfigure(gate="auto", gate_stat="sketch.max")
+            # A threshold no turn reaches: the probe only reads sketch.max (under "auto", a model the gate is not
+            # calibrated for would keep the full cache, agent/memory.py).
+            session.reconfigure(gate="1e30", gate_stat="sketch.max")
             seen = drive.independent(session, PROBE).certificate_detail.get("sketch.max")
             if seen:
                 session.reconfigure(gate=f"{0.999 * float(seen):.6g}")

@@ -82,9 +82,11 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         print(f"certchat ask: {err}", file=sys.stderr)
         return 1
     if args.json:
-        # the status beside the turn: below config evict_from the chat runs the full cache (ev.MemoryView)
+        # the status beside the turn: below config evict_from, or on a model the gate is not calibrated for, the
+        # chat runs the full cache (ev.MemoryView)
         opened = session.opened
         print(json.dumps({**result.as_json(), "full_cache_until": session.memory.full_until,
+                          "full_cache_reason": session.full_cache_notice,
                           "resumed": opened.resumed if opened is not None else None,
                           "resume_reason": opened.reason if opened is not None else None,
                           "open_ms": round(opened.ms, 1) if opened is not None else None}))
@@ -127,8 +129,8 @@ def _cmd_repl(args: argparse.Namespace) -> int:
             print("[stopped; the partial answer is in the log, marked interrupted]", file=sys.stderr)
         elif tty:
             cert = f"{result.certificate:.3f}" if result.certificate is not None else "—"
-            until = session.memory.full_until
-            full = f", {ev.full_cache_words(until)}" if until is not None else ""
+            until, reason = session.memory.full_until, session.memory.full_reason
+            full = f", {ev.full_cache_words(until)}" if until is not None else f", {reason}" if reason else ""
             print(f"  [{result.live_cells}/{result.allocated_cells} cells{full}, cert {cert}, "
                   f"{result.decode_tok_s:.1f} tok/s]", file=sys.stderr)
 

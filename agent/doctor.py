@@ -6,9 +6,11 @@ import ctypes
 import importlib.metadata
 import platform
 import sqlite3
+from pathlib import Path
 from typing import Any
 
-from agent import config as config_mod, models, paths
+from agent import calibration, models, paths, policies
+from agent import config as config_mod
 from agent.saved_state import SavedStates, state_dir
 from native import runtime
 
@@ -55,9 +57,11 @@ def report() -> dict[str, Any]:
     out["models"] = {}
     for name in models.REGISTRY:
         found = models.state(name)
-        out["models"][name] = {"present": found == "ok", "state": found, "path": str(models.model_file(name))}
+        out["models"][name] = {"present": found == "ok", "state": found, "path": str(models.model_file(name)),
+                               "gate_calibrated": calibration.covers(models.REGISTRY[name].sha256)}
         if found == "damaged":
             out["errors"].append(models.damaged_message(name))
+    out["gate"] = gate_report()
     try:
         libs = runtime.built_libs()
         out["cuda"] = libs.cuda
@@ -93,6 +97,26 @@ def _saved_states() -> dict[str, Any]:
             "budget_bytes": budget_mb * 1024 * 1024}
 
 
+def gate_report() -> dict[str, Any]:
+    """Whether the configured model's gate is calibrated, and so whether an evicting policy evicts under gate
+    "auto" (agent.memory: on a model the calibration does not cover the chat keeps the full cache)."""
+    try:
+        cfg = config_mod.load()
+    except config_mod.ConfigError as err:
+        return {"error": str(err)}
+    registry = models.REGISTRY.get(cfg.model)
+    path = Path(cfg.model).expanduser()
+    try:
+        sha = registry.sha256 if registry else models.gguf_sha256(path) if path.is_file() else None
+    except OSError:
+        sha = None
+    calibrated = calibration.covers(sha, cfg.evict_at) if sha else None
+    held = config_mod.parse_gate(cfg.gate) == "auto" and policies.from_config(cfg).evicts and calibrated is False
+    return {"model": cfg.model, "gate": cfg.gate, "policy": cfg.policy, "evict_at": cfg.evict_at,
+            "calibrated": calibrated,
+            "note": f"{calibration.UNCALIBRATED}; {calibration.UNCALIBRATED_HOW}" if held else None}
+
+
 def wal_reset_race(version: str) -> bool:
     """Whether SQLite ``version`` has the WAL-reset race."""
     try:
@@ -118,7 +142,9 @@ def render(data: dict[str, Any]) -> str:
     ]
     for name, info in data["models"].items():
         shown = {"ok": "present", "damaged": "DAMAGED"}.get(info.get("state", ""), "not pulled")
-        lines.append(f"  {name:<20} {shown:<10} {info['path']}")
+        gate = "gate calibrated" if info.get("gate_calibrated") else "gate not calibrated"
+        lines.append(f"  {name:<20} {shown:<10} {gate:<19} {info['path']}")
+    lines.append(_gate_line(data.get("gate", {})))
     lines += [
         f"data dir          : {data['data_dir']}",
         f"cache dir         : {data['cache_dir']}",
@@ -133,3 +159,11 @@ def render(data: dict[str, Any]) -> str:
     lines += [f"warning: {text}" for text in data.get("warnings", [])]
     lines += [f"problem: {err}" for err in data["errors"]]
     return "\n".join(lines)
+
+
+def _gate_line(gate: dict[str, Any]) -> str:
+    if "error" in gate:
+        return f"gate              : unknown ({gate['error']})"
+    state = {True: "calibrated", False: "not calibrated", None: "model not found"}[gate.get("calibrated")]
+    line = f"gate              : {gate.get('gate')} on {gate.get('model')} (evict_at {gate.get('evict_at')}): {state}"
+    return line + (f"\n  {gate['note']}" if gate.get("note") else "")

@@ -182,6 +182,9 @@ class MemoryView:
     full_cache_until: int | None = None
     """While the history is below config ``evict_from`` an evicting policy runs the full cache: that length, in
     tokens (None once eviction applies, or under a policy that never evicts)."""
+    full_cache_reason: str | None = None
+    """Why an evicting policy runs the full cache at any length (``CacheManager.full_reason``: under gate "auto",
+    a model its calibration does not cover); None when the policy applies."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,11 @@ Below ``evict_from`` tokens of history the manager runs the full cache: no budge
 readout off (so no importance, certificate or sketch query rows, and a gate has nothing to fire on). The
 readout comes back a turn's worth of tokens before the threshold (:attr:`readout_lead`), so the round
 that first evicts is scored by the attention of the question and answer that crossed it.
+
+Under ``gate = "auto"`` on a model the gate was not calibrated for (``calibration.covers``), an evicting policy
+does not apply at any length (:attr:`CacheManager.full_reason`): the calibrated floor sits where such a model's
+turns never reach it, so the gate would never fire and eviction would forget silently. An explicit threshold or
+``gate = "off"`` is the user's choice and evicts as configured.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from agent import calibration, policies
-from agent.config import Config, parse_budget
+from agent import calibration, models, policies
+from agent.config import Config, parse_budget, parse_gate
 from agent.config import sketch_layers as parse_sketch_layers
 from agent.engine import Engine
 from native import patched, poisson
@@ -62,18 +67,23 @@ class CacheManager:
         but the history it reads is no shorter: eviction, once begun, goes on)."""
         self._importance: list[patched.Importance] = []
         """Attention readings since the last eviction (the question's window; at turn end also the closing's)."""
+        self._model_sha256: str | None = None
+        """The model's GGUF hash, read when first needed (hashing a file that is not a registry one takes seconds)."""
+        self.full_reason: str | None = None
+        """Why the evicting policy does not apply at any history length (None: it applies from ``evict_from``)."""
         self.reconfigure(config)
 
     # -- configuration ------------------------------------------------------------------
     def reconfigure(self, config: Config) -> None:
         self.config = config
         self.policy = policies.from_config(config)
+        self.full_reason = self._uncalibrated()
         # The readout costs a little per step: on only for a policy that uses it, and with a window fixed for
         # the context, since every window change rebuilds the scheduler's graph reservation. A ubatch reports
         # its last min(rows, n_tokens) rows, so one setting serves the question window of a prefill, the
         # held-back question tokens and one-token decodes.
         # The sketch keeps what a sampled design evicts, for the gate: its query rows are the certificate window's.
-        sketched = self.policy.sampled and self.policy.evicts
+        sketched = self.policy.sampled and self.policy.evicts and self.full_reason is None
         layers = parse_sketch_layers(config.sketch_layers)
         if layers is None:
             layers = calibration.sketch_layers(self.engine.info.layer_windows, config.evict_at)
@@ -82,6 +92,18 @@ class CacheManager:
             self.set_readout(True)
         elif self.engine.readout[1]:
             self.engine.set_readout(False, self.engine.readout[1])
+
+    def _uncalibrated(self) -> str | None:
+        """:data:`calibration.UNCALIBRATED` when the policy evicts under ``gate = "auto"`` on a model the gate's
+        calibration does not cover; None otherwise (a threshold or "off" was chosen, or nothing is evicted)."""
+        if not self.policy.evicts or parse_gate(self.config.gate) != "auto":
+            return None
+        if self._model_sha256 is None:
+            try:
+                self._model_sha256 = models.gguf_sha256(self.engine.settings.model_path)
+            except OSError:
+                return calibration.UNCALIBRATED  # an unreadable file is no calibrated one: fail safe
+        return None if calibration.covers(self._model_sha256, self.config.evict_at) else calibration.UNCALIBRATED
 
     @property
     def readout_rows(self) -> int:
@@ -121,17 +143,19 @@ class CacheManager:
         """Whether the policy applies at ``history`` tokens (default: now): it evicts and the history has
         reached ``evict_from``."""
         length = self.history if history is None else max(history, self.history)
-        return self.policy.evicts and length >= self.evict_from
+        return self.policy.evicts and self.full_reason is None and length >= self.evict_from
 
     def readout_due(self) -> bool:
         """The readout serves eviction and the gate: on from a turn's worth of tokens before ``evict_from``."""
-        return self.policy.evicts and self.history + self.readout_lead >= self.evict_from
+        return (self.policy.evicts and self.full_reason is None
+                and self.history + self.readout_lead >= self.evict_from)
 
     @property
     def full_until(self) -> int | None:
         """``evict_from`` while an evicting policy still runs the full cache below it (for the status line);
-        None once eviction applies, or for a policy that never evicts."""
-        return self.evict_from if self.policy.evicts and not self.evicting() else None
+        None once eviction applies, for a policy that never evicts, or while it does not apply at all
+        (:attr:`full_reason`)."""
+        return self.evict_from if self.policy.evicts and self.full_reason is None and not self.evicting() else None
 
     def reset(self, round: int = 0) -> None:
         """A new or reopened conversation; ``round``: the next eviction round the log expects."""
@@ -255,8 +279,9 @@ class CacheManager:
         return protected
 
     def make_room(self, needed: int) -> tuple[bool, EvictionReport | None]:
-        """Free cells for the next prefill + answer: (freed enough, the round that did it); never for ``full``."""
-        if not self.policy.evicts:
+        """Free cells for the next prefill + answer: (freed enough, the round that did it); never for ``full``, nor
+        while the policy does not apply (:attr:`full_reason`: the session keeps the newest history, as for ``full``)."""
+        if not self.policy.evicts or self.full_reason is not None:
             return False, None
         target = max(self.config.sinks + self.config.recent, self.engine.n_ctx - needed)
         budget = min(self.budget_cells() or target, target)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from agent import events as ev
+from agent import calibration, events as ev
 from agent import resume
 from agent.config import Config
 from agent.engine import Engine, EngineSettings, Generation
@@ -137,6 +137,8 @@ class ChatSession:
         self._segments: list[_Segment] = []
         self._turn_certs: list[tuple[int, float | None, bool]] = []
         self._last_tok_s: float | None = None
+        self._told_reason: str | None = None
+        """The full-cache notice (:attr:`full_cache_notice`) the chat last gave, so it is said once, not every turn."""
         self._owns_engine = False
         self.conversation_id = -1
         if conversation_id is None:
@@ -187,6 +189,7 @@ class ChatSession:
         self.memory.reset()
         self._segments = []
         self._turn_certs = []
+        self._told_reason = None
         if self.config.system_prompt:
             msg = self.store.append_message(conv.id, "system", self.config.system_prompt)
             text = self.template.render([{"role": "system", "content": self.config.system_prompt}],
@@ -207,6 +210,7 @@ class ChatSession:
         claimed for this process first, so a second writer is refused before the re-read."""
         self.store.claim_conversation(conversation_id)
         self.conversation_id = conversation_id
+        self._told_reason = None
         started = time.perf_counter()
         reason = self._resume(conversation_id)
         if reason is None:
@@ -395,6 +399,7 @@ class ChatSession:
         with clock("store"):
             user = self.store.append_user_message(self.conversation_id, text, meta=meta)
         on_event(ev.TurnStarted(self.conversation_id, user.id))
+        self._tell_full_reason(on_event)
         suffix = self.template.user_suffix(self._rendered(), {"role": "user", "content": text}) \
             if self._segments else self.template.render([{"role": "user", "content": text}], True)
         tokens = self._tokenize(suffix, first=not self._segments)
@@ -407,6 +412,19 @@ class ChatSession:
                 "raise --n-ctx; it was saved to the log")
         self._make_room(len(tokens) + self.config.max_tokens + 16, user.id, on_event)
         return Turn(user, _Segment(user.index, "user", text), tokens, self.engine.next_pos, meta, clock)
+
+    @property
+    def full_cache_notice(self) -> str | None:
+        """Why the evicting policy keeps the full cache at any length and how to evict anyway; None when it applies."""
+        reason = self.memory.full_reason
+        return f"{reason}; {calibration.UNCALIBRATED_HOW}" if reason is not None else None
+
+    def _tell_full_reason(self, on_event: EventSink) -> None:
+        """Say once per conversation (and again when it changes) why the evicting policy keeps the full cache."""
+        notice = self.full_cache_notice
+        if notice is not None and notice != self._told_reason:
+            on_event(ev.Notice(notice, "warning"))
+        self._told_reason = notice
 
     def _prefill(self, turn: Turn, on_event: EventSink, cancel: threading.Event | None) -> None:
         """Feed the message; the gate reads its certificate on the cache that will answer. Evicting at the
@@ -820,7 +838,7 @@ class ChatSession:
             live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, retained=retained,
             certificates=list(self._turn_certs), gate_threshold=self.gate.threshold(), tok_per_s=self._last_tok_s,
             reread=reread,
-            full_cache_until=self.memory.full_until,
+            full_cache_until=self.memory.full_until, full_cache_reason=self.memory.full_reason,
             opened=self.opened.words() if self.opened is not None else None,
         )
 

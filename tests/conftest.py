@@ -6,13 +6,14 @@ test); everything a test writes (database, config) goes to a temporary directory
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
-from agent import models
+from agent import calibration, models
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +43,22 @@ def model_path() -> Callable[[str], Path]:
 def small_model() -> Path:
     """The fast test model (SmolLM2-135M-Instruct Q4_1)."""
     return _model("smollm2-135m")
+
+
+@pytest.fixture
+def calibrated_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """``calibrated_for("smollm2-135m")``: for this test, the shipped gate calibration holds for that registry model
+    (its records name the model's hash). Under gate "auto" a model the calibration does not cover keeps the full
+    cache (agent.memory); tests of eviction under the calibrated gate on the fast models mark them this way."""
+
+    def mark(name: str) -> None:
+        shipped = json.loads(calibration.PATH.read_text(encoding="utf-8"))["calibrations"]
+        path = tmp_path / f"gate_calibration-{name}.json"
+        for record in shipped:
+            calibration.write({**record, "model": name, "model_sha256": models.REGISTRY[name].sha256}, path)
+        monkeypatch.setattr(calibration, "PATH", path)
+
+    return mark
 
 
 @pytest.fixture(scope="session")

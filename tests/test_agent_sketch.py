@@ -161,8 +161,9 @@ def test_the_sketch_reads_only_full_attention_layers(model_path: Callable[[str],
         eng.close()
 
 
-def test_a_reopened_conversation_gates_on_the_baselines_and_recent_statistics_it_had(engine: Engine,
-                                                                                     tmp_path: Path) -> None:
+def test_a_reopened_conversation_gates_on_the_baselines_and_recent_statistics_it_had(
+        engine: Engine, tmp_path: Path, calibrated_for: Callable[[str], None]) -> None:
+    calibrated_for("smollm2-135m")  # the calibrated gate's adaptive bar, which the reopened chat must restore
     s = ChatSession(_config(gate="auto"), Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in FACTS + FILLERS:
         drive.forced(s, text, "Noted.")

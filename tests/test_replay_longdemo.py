@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -30,7 +31,9 @@ def _cli(argv: list[str]) -> int:
 @pytest.mark.slow  # about 45 s of CPU: four small jobs' worth of turns on smollm2
 @pytest.mark.skipif(not HAVE_LOCOMO, reason="the shared LoCoMo data is not on this machine")
 def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   calibrated_for: Callable[[str], None]) -> None:
+    calibrated_for("smollm2-135m")  # poisson+gate under the calibrated gate evicts (else: the full cache)
     counter = longchat.TokenCounter(small_model)
     try:
         s = longchat.generate(5, 700, counter, probes=2)

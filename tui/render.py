@@ -74,6 +74,9 @@ def status_line(info: StatusInfo) -> Content:
             parts.append(Content(ev.full_cache_words(m.full_cache_until)))
         if m.opened is not None:
             parts.append(Content(m.opened))
+        if m.full_cache_reason is not None:
+            # the fail-safe is a state the user should act on: in the warning colour, with the way out
+            parts.append(Content.assemble((f"{m.full_cache_reason} (gate τ or off evicts)", "$warning")))
         parts.append(Content(f"{m.tok_per_s:.1f} tok/s" if m.tok_per_s else "– tok/s"))
         tau = m.gate_threshold
         if info.certificate is None:
