@@ -52,7 +52,9 @@ class Config:
     gate: str = "auto"
     """Gate threshold τ on the turn's statistic, "off" to disable, or "auto" for the calibrated default (which
     follows the conversation: its calibrated τ, raised to a multiple of the median of the recent turn statistics
-    when the conversation's turns read higher — agent/gate_calibration.json). A number is a fixed τ."""
+    when the conversation's turns read higher — agent/gate_calibration.json). A number is a fixed τ. "auto" on a model
+    the calibration was not fitted on (known by its GGUF's sha256) keeps the full cache and says so: its gate would
+    not fire, and eviction would forget silently; a number or "off" evicts on any model."""
     seed: int = 0
     """Seed for sampling and for the Poisson draws (runs are replayable)."""
     temperature: float = 0.0
