@@ -14,7 +14,6 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from agent import file_memo, paths
@@ -247,15 +246,15 @@ def sha256_of(name_or_path: str | None, path: Path) -> str:
 
 def gguf_sha256(path: Path) -> str:
     """The SHA-256 of the GGUF at ``path``: the registry's record for a verified registry file in the model cache,
-    else the file hashed (once per file, size and modification time: a 1 GB file takes seconds)."""
+    else the file hashed once per version of it (about a second per GB; remembered in the cache dir under the same
+    key as ``saved_state.model_digest``, so a session start does not pay it twice)."""
     resolved = path.expanduser().resolve()
     for name, model in REGISTRY.items():
         if resolved == model_file(name).resolve() and is_pulled(name):
             return model.sha256
-    info = resolved.stat()
-    return _hashed(str(resolved), info.st_size, info.st_mtime_ns)
-
-
-@lru_cache(maxsize=16)
-def _hashed(path: str, size: int, mtime_ns: int) -> str:
-    return sha256_file(Path(path))
+    known = file_memo.recall("model-sha256", resolved)
+    if isinstance(known, str):
+        return known
+    digest = sha256_file(resolved)
+    file_memo.remember("model-sha256", resolved, digest)
+    return digest
