@@ -47,6 +47,14 @@ def _open(args: argparse.Namespace, *, create: bool = False) -> Store | None:
         return Store(_db(args), create=False, read_only=True)
 
 
+def _existing(args: argparse.Namespace) -> Store:
+    """The store of a command about conversation ``args.id``, which needs the database to exist."""
+    store = _open(args)
+    if store is None:
+        raise StoreError(f"{_db(args)}: no conversation {args.id} (the database does not exist)")
+    return store
+
+
 def _safe(text: str) -> str:
     return text.translate(_CONTROL)
 
@@ -112,9 +120,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    store = _open(args)
-    if store is None:
-        raise StoreError(f"{_db(args)}: no conversation {args.id} (the database does not exist)")
+    store = _existing(args)
     with store:
         store.delete_conversation(args.id)
     discard(_db(args), args.id)
@@ -123,9 +129,7 @@ def _delete(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    store = _open(args)
-    if store is None:
-        raise StoreError(f"{_db(args)}: no conversation {args.id} (the database does not exist)")
+    store = _existing(args)
     with store:
         conversation = store.get_conversation(args.id)
         messages = store.messages(args.id)
@@ -167,9 +171,7 @@ def _search(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    store = _open(args)
-    if store is None:
-        raise StoreError(f"{_db(args)}: no conversation {args.id} (the database does not exist)")
+    store = _existing(args)
     with store:
         store.get_conversation(args.id)  # fail before creating an output file
 
