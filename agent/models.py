@@ -246,8 +246,8 @@ def sha256_of(name_or_path: str | None, path: Path) -> str:
 
 def gguf_sha256(path: Path) -> str:
     """The SHA-256 of the GGUF at ``path``: the registry's record for a verified registry file in the model cache,
-    else the file hashed once per version of it (about a second per GB; remembered in the cache dir under the same
-    key as ``saved_state.model_digest``, so a session start does not pay it twice)."""
+    else the file hashed once per version of it (about a second per GB; remembered in the cache dir: the gate's
+    calibration check and the saved-state key both ask for it at every session start)."""
     resolved = path.expanduser().resolve()
     for name, model in REGISTRY.items():
         if resolved == model_file(name).resolve() and is_pulled(name):

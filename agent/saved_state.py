@@ -28,8 +28,6 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from agent import file_memo
-from native.build import sha256_file
 
 MAGIC = b"certchat-state\x00\x00"
 VERSION = 1
@@ -286,14 +284,3 @@ class SavedStates:
 def discard(db_path: Path, conversation_id: int) -> None:
     """Delete a conversation's saved state (the conversation was deleted from the log)."""
     SavedStates.beside(db_path, 1).delete(conversation_id)
-
-
-def model_digest(path: Path) -> str:
-    """The GGUF's SHA-256, hashed once per version of the file (about a second per GB; a resume should not pay it
-    each time)."""
-    known = file_memo.recall("model-sha256", Path(path))
-    if isinstance(known, str):
-        return known
-    digest = sha256_file(Path(path))
-    file_memo.remember("model-sha256", Path(path), digest)
-    return digest

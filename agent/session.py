@@ -33,13 +33,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from agent import calibration, events as ev
+from agent import calibration, events as ev, models
 from agent import resume
 from agent.config import Config
 from agent.engine import Engine, EngineSettings, Generation
 from agent.gate import Gate, GateDecision, ReadPlan, TargetedRead
 from agent.memory import CacheManager, EvictionReport
-from agent.saved_state import SavedStates, StateError, model_digest
+from agent.saved_state import SavedStates, StateError
 from agent.template import ChatTemplate, Message as TemplateMessage, strip_bos
 from memory_store.records import EvictionRound, Message, Turn as TurnRecord
 from memory_store.store import Store
@@ -155,8 +155,8 @@ class ChatSession:
         try:
             saver = None
             if config.saved_states_mb > 0:
-                saver = resume.Saver(SavedStates.beside(store.path, config.saved_states_mb), model_digest(model_path),
-                                     runtime.built_libs().key)
+                saver = resume.Saver(SavedStates.beside(store.path, config.saved_states_mb),
+                                     models.gguf_sha256(model_path), runtime.built_libs().key)
             session = cls(config, store, engine, model_name, conversation_id=conversation_id, saver=saver)
         except BaseException:
             engine.close()
