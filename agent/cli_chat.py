@@ -73,8 +73,6 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         print("certchat ask: empty message; pass the text as arguments or on stdin", file=sys.stderr)
         return 2
     session = open_session(cfg, args.db, None if args.new else args.conversation)
-    if session.opened is not None and not args.json:
-        print(f"[{session.opened.words()}]", file=sys.stderr)
     sink = (lambda e: None) if args.json else _print_event
     try:
         result = session.send(text, on_event=sink)
@@ -92,6 +90,9 @@ def _cmd_ask(args: argparse.Namespace) -> int:
                           "open_ms": round(opened.ms, 1) if opened is not None else None}))
     else:
         print()
+        if session.opened is not None:
+            # after the answer: a refused message's error stays the one line a failed command prints
+            print(f"[{session.opened.words()}]", file=sys.stderr)
     return 0
 
 
