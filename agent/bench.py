@@ -42,6 +42,11 @@ SKETCH_LAYERS = "3,11"
 """The sketch's layers when the config has none: the calibrated set for qwen (agent/gate_calibration.json)."""
 
 
+def _say(text: str) -> None:
+    """Progress on stderr, so the report on stdout stays clean."""
+    print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
 def _history_tokens(model: llama.Model, n: int) -> list[int]:
     """Real conversational text (LoCoMo if the shared data is there), tokenized, n tokens."""
     shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo"
@@ -106,17 +111,16 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     out: dict[str, Any] = {"model": model_name, "threads": threads, "history_tokens": history,
                            "budget_share": budget_share, "decode_steps": steps, "cpu_count": os.cpu_count()}
     budget = int(history * budget_share)
-    say = lambda text: print(f"[bench] {text}", file=sys.stderr, flush=True)  # noqa: E731
 
     # 1. long history: full vs poisson-after-compaction, same engine, same prefill.
     eng = Engine(EngineSettings(model_path=path, n_ctx=history + 512, n_batch=512, threads=threads))
     eng.set_readout(True, 32)
     toks = _history_tokens(eng.model, history)
-    say(f"prefilling {history} tokens of {model_name} ({threads} threads)")
+    _say(f"prefilling {history} tokens of {model_name} ({threads} threads)")
     out["prefill_ms_history"] = eng.feed(toks, segment=0)
     importance = eng.read_importance().per_position(eng.cache.positions)
     eng.set_readout(False, 32)
-    say("decode with the full cache")
+    _say("decode with the full cache")
     _record_decode(out, "full", eng, steps)
     positions = np.asarray(eng.cache.positions)
     protected = np.zeros(len(positions), dtype=bool)
@@ -131,14 +135,14 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     eng.evict(np.asarray(plan.keep, dtype=bool), plan.cum_logpi)
     out["evict_ms"] = (time.perf_counter() - t) * 1000.0
     out["live_cells_after"] = len(eng.cache)
-    say(f"decode after evicting to {len(eng.cache)} cells and compacting")
+    _say(f"decode after evicting to {len(eng.cache)} cells and compacting")
     _record_decode(out, "poisson", eng, steps)
     eng.close()
 
     # 2. a fresh context with only the budget's tokens: the ceiling for an evicted cache.
     fresh = Engine(EngineSettings(model_path=path, n_ctx=budget + 512, n_batch=512, threads=threads))
     fresh.feed(_history_tokens(fresh.model, budget), segment=0)
-    say(f"decode with a fresh {budget}-token context")
+    _say(f"decode with a fresh {budget}-token context")
     _record_decode(out, "fresh_budget", fresh, steps)
 
     # 3. certificate cost at the same live cells.
@@ -579,8 +583,7 @@ def main(args: argparse.Namespace) -> int:
             out[f"turn_overhead_{mode.replace('-', '_')}"] = res["turn_overhead"]
     if args.only in ("all", "length"):
         lengths = QUICK_LENGTHS if args.quick else LENGTHS
-        say = lambda text: print(f"[bench] {text}", file=sys.stderr, flush=True)  # noqa: E731
-        rows = length_sweep(models.resolve(args.model), args.model, args.threads, lengths, say=say)
+        rows = length_sweep(models.resolve(args.model), args.model, args.threads, lengths, say=_say)
         out["length_sweep"] = rows
         keyed["evict_from_crossover"] = crossover(rows)
         for r in rows:
@@ -589,9 +592,8 @@ def main(args: argparse.Namespace) -> int:
                 keyed[f"ttft_ms_{arm}_{r['history'] // 1024}k"] = r["ttft_ms"]
     if args.only == "resume":
         from agent import resume_bench  # noqa: PLC0415 — its own figures, printed on their own
-        say = lambda text: print(f"[bench] {text}", file=sys.stderr, flush=True)  # noqa: E731
         lengths = resume_bench.QUICK_LENGTHS if args.quick else resume_bench.LENGTHS
-        rows = resume_bench.run(args.model, lengths, args.threads, say)
+        rows = resume_bench.run(args.model, lengths, args.threads, _say)
         print(resume_bench.render(args.model, args.threads, rows))
         if args.json:
             print(json.dumps({"model": args.model, "threads": args.threads, "resume": rows}))

@@ -103,7 +103,7 @@ def _list(args: argparse.Namespace) -> int:
     if store is not None:
         store.close()
     # what reopening each conversation resumes from instead of re-reading its log (certchat's saved states)
-    states = SavedStates.beside(_db(args), 1).sizes()
+    states = SavedStates.beside(_db(args)).sizes()
     if args.json:
         _print_json([{**_conversation_json(c), "state_bytes": states.get(c.id)} for c in conversations], sys.stdout)
         return 0

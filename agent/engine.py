@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -526,6 +526,20 @@ class Engine:
                 on_text(tail)
         return Generation(tokens=tokens, text="".join(pieces), stop=stop,
                           decode_ms=(time.perf_counter() - start) * 1000.0, logprobs=logprobs)
+
+
+def holds_logged_tokens(positions: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                        segments: Sequence[int] | np.ndarray, index: int, first: int, logged: Sequence[int]) -> bool:
+    """Whether the live cells of message ``index`` (a mirror's positions, tokens and segments: the engine's, or a
+    snapshot's) hold the log's tokens ``logged`` at their offsets from ``first``, where the message was fed."""
+    segs = np.asarray(segments, dtype=np.int64)
+    where = np.flatnonzero(segs == index)
+    if not len(where):
+        return True
+    pos = np.asarray(positions, dtype=np.int64)[where] - first
+    live = np.asarray(tokens, dtype=np.int64)[where]
+    expected = np.asarray([int(t) for t in logged], dtype=np.int64)
+    return bool(pos.min() >= 0 and pos.max() < len(expected) and np.array_equal(expected[pos], live))
 
 
 def _runs(positions: np.ndarray) -> list[tuple[int, int]]:

@@ -25,6 +25,7 @@ import numpy as np
 from agent import calibration, certificate, policies, repetition
 from agent.certificate import CertificateForm
 from agent.config import Config, parse_gate
+from agent.engine import holds_logged_tokens
 from native import patched, poisson
 
 if TYPE_CHECKING:
@@ -366,16 +367,15 @@ class Gate:
                 recent.append(float(value))
         return GateState(self.statistic, recent, paid, self._paid_layers)
 
-    def resume(self, state: "GateState") -> bool:
-        """Go on from a :meth:`state` of this conversation; False (nothing changed) when it was read under another
-        statistic than this gate's."""
+    def resume(self, state: "GateState") -> None:
+        """Go on from a :meth:`state` of this conversation (``ValueError``, nothing changed, when it was read under
+        another statistic than this gate's)."""
         if state.statistic != self.statistic:
-            return False
+            raise ValueError(f"its gate read {state.statistic}, this one reads {self.statistic}")
         self.new_conversation()
         self._recent = list(state.recent)
         self._paid = {message: list(shares) for message, shares in state.paid.items()}
         self._paid_layers = state.paid_layers
-        return True
 
     def new_conversation(self) -> None:
         """A new or reopened conversation: no copy, no baselines, no recent statistics."""
@@ -616,7 +616,8 @@ class Gate:
             message, span = logged.get(index), engine.cache.spans.get(index)
             if message is None or span is None or message.tokens is None or len(message.tokens) != span[1] - span[0]:
                 return None, f"message {index} is not where the log puts it"
-            if not _live_tokens_match(engine, index, span[0], message.tokens):
+            cache = engine.cache
+            if not holds_logged_tokens(cache.positions, cache.tokens, cache.segments, index, span[0], message.tokens):
                 return None, f"the cache and the log disagree on message {index}"
             runs = engine.evicted_runs(index)
             need = sum(p1 - p0 for p0, p1 in runs)
@@ -662,14 +663,3 @@ class Gate:
             self.copy = ReadCopy(conversation_id, tuple((m.id, tuple(int(t) for t in m.tokens)) for m in chosen),
                                  engine.snapshot())
 
-
-def _live_tokens_match(engine: "Engine", index: int, first: int, tokens: Sequence[int]) -> bool:
-    """Whether the live cells of message ``index`` hold the log's tokens at their offsets from ``first``."""
-    segs = np.asarray(engine.cache.segments, dtype=np.int64)
-    where = np.flatnonzero(segs == index)
-    if not len(where):
-        return True
-    pos = np.asarray(engine.cache.positions, dtype=np.int64)[where] - first
-    live = np.asarray(engine.cache.tokens, dtype=np.int64)[where]
-    logged = np.asarray([int(t) for t in tokens], dtype=np.int64)
-    return bool(pos.min() >= 0 and pos.max() < len(logged) and np.array_equal(logged[pos], live))

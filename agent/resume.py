@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from agent.engine import EngineSnapshot
+from agent.engine import EngineSnapshot, holds_logged_tokens
 from agent.gate import GateState
 from agent.saved_state import SavedState, SavedStates, StateError, key_differences
 from native import patched
@@ -29,7 +29,8 @@ KV_TYPE = "f16"
 """The K/V cell type: certchat's contexts keep llama.cpp's default (``native.llama.ContextParams`` sets none)."""
 
 
-def cache_key(config: "Config", engine: "Engine", model_sha256: str, patch_level: str, statistic: str) -> dict[str, Any]:
+def cache_key(config: "Config", engine: "Engine", model_sha256: str, patch_level: str,
+              statistic: str) -> dict[str, Any]:
     """Everything that shapes the saved cache and what describes it: another value of any of these makes a state
     unusable (the chat re-reads the log instead)."""
     layers, bits, window = engine.sketch_spec
@@ -176,10 +177,7 @@ def check_against_log(state: SessionState, messages: Sequence[Any]) -> str | Non
         span = snap.spans.get(int(index))
         if msg is None or span is None or msg.tokens is None:
             return f"the cache holds message {index}, which the log has no tokens for"
-        logged = np.asarray([int(t) for t in msg.tokens], dtype=np.int64)
-        where = segs == index
-        offsets = pos[where] - span[0]
-        if offsets.min() < 0 or offsets.max() >= len(logged) or not np.array_equal(logged[offsets], toks[where]):
+        if not holds_logged_tokens(pos, toks, segs, index, span[0], msg.tokens):
             return f"the cache's tokens of message {index} differ from the log's"
     return None
 

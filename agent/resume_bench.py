@@ -92,7 +92,7 @@ def run(model: str, lengths: tuple[int, ...], threads: int, say: Callable[[str],
             new = _ask(db, model, n_ctx, threads, None)
             say(f"{history} tokens: continuing it with no saved state (re-reading {tokens} tokens)")
             reread = _ask(db, model, n_ctx, threads, cid)
-            states = SavedStates.beside(db, 1)
+            states = SavedStates.beside(db)
             header = read_header(states.path(cid))
             say(f"{history} tokens: continuing it from the saved state")
             resumed = _ask(db, model, n_ctx, threads, cid)
@@ -122,7 +122,8 @@ def render(model: str, threads: int, rows: list[dict[str, Any]]) -> str:
                      f"{r['reread_s'] / r['resumed_s']:>7.1f}×  {r['state_bytes'] / 2**20:>7.1f}MB  "
                      f"{r['full_cache_bytes'] / 2**20:>8.1f}MB  {r['state_bytes'] / r['full_cache_bytes']:>6.1%}")
     for r in rows:
-        lines.append(f"  {r['tokens']} tokens: the second run said [{r['reread_opened']}], the third [{r['resumed_opened']}]")
+        lines.append(f"  {r['tokens']} tokens: the second run said [{r['reread_opened']}], "
+                     f"the third [{r['resumed_opened']}]")
     lines.append("new chat: model load + a one-message prefill + one decode step, the floor a resume is held to "
                  "(target: resumed ≤ model load + 1 s)")
     return "\n".join(lines)

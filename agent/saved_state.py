@@ -60,8 +60,8 @@ def key_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     for name in sorted(set(saved) | set(wanted)):
         a, b = saved.get(name), wanted.get(name)
         if a != b:
-            short = (lambda v: str(v)[:12] if name in ("model", "patch") else str(v))
-            out.append(f"{name} {short(a)} → {short(b)}")
+            width = 12 if name in ("model", "patch") else None  # hashes: their first digits tell them apart
+            out.append(f"{name} {str(a)[:width]} → {str(b)[:width]}")
     return out
 
 
@@ -183,17 +183,15 @@ class SavedStates:
     """The saved states of one log: one file per conversation, pruned least-recently-used under ``budget``
     bytes (0: nothing is saved)."""
 
-    def __init__(self, folder: Path, budget: int) -> None:
+    def __init__(self, folder: Path, budget: int = 0) -> None:
         self.folder = Path(folder)
         self.budget = int(budget)
 
     @classmethod
-    def beside(cls, db_path: Path, budget_mb: int) -> "SavedStates":
+    def beside(cls, db_path: Path, budget_mb: int = 0) -> "SavedStates":
+        """The states of the log at ``db_path``; without a budget, only to list, load and delete them (a save would
+        prune them all)."""
         return cls(state_dir(db_path), budget_mb * 1024 * 1024)
-
-    @property
-    def enabled(self) -> bool:
-        return self.budget > 0
 
     def path(self, conversation_id: int) -> Path:
         return self.folder / f"conversation-{int(conversation_id)}{SUFFIX}"
@@ -283,4 +281,4 @@ class SavedStates:
 
 def discard(db_path: Path, conversation_id: int) -> None:
     """Delete a conversation's saved state (the conversation was deleted from the log)."""
-    SavedStates.beside(db_path, 1).delete(conversation_id)
+    SavedStates.beside(db_path).delete(conversation_id)

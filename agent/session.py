@@ -116,6 +116,11 @@ class Checkpoint:
     certificates: list[tuple[int, float | None, bool]]
 
 
+def _certificates(logged: Sequence[TurnRecord]) -> list[tuple[int, float | None, bool]]:
+    """(turn number, certificate, gate fired) of each logged turn: the memory panel's chart of a reopened chat."""
+    return [(i + 1, t.gate_stat, t.gate_fired) for i, t in enumerate(logged)]
+
+
 class ChatSession:
     """A conversation bound to an engine, a store, a cache manager and a gate."""
 
@@ -226,11 +231,11 @@ class ChatSession:
         """Re-prefill the log's exact tokens into an empty cache and evict to budget; returns the tokens fed."""
         logged = self.store.turns(conversation_id)
         # the gate goes on from the log: its recent statistics and the messages' baselines, as if never closed
-        self.gate.restore([t.extra.get("gate", {}) for t in self._kept_turns(conversation_id)])
+        self.gate.restore([t.extra.get("gate", {}) for t in self._kept_turns(conversation_id, logged)])
         self.engine.reset()
         self.memory.reset(round=self.store.next_eviction_round(conversation_id))
         self._segments = []
-        self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired) for i, t in enumerate(logged)]
+        self._turn_certs = _certificates(logged)
         self.memory.set_readout(True)
         fed = self._read_history(self._plan_reread(), on_event=on_event, keep_copy=True)
         self.memory.after_prefill()
@@ -257,25 +262,28 @@ class ChatSession:
         if why is not None:
             return f"the saved state was not used: {why}"
         try:
+            self.gate.resume(state.gate)
+        except ValueError as err:
+            return f"the saved state was not used: {err}"
+        try:
             self.engine.reset()
             self.engine.restore(state.engine)
         except (llama.LlamaError, ValueError) as err:
             self.engine.reset()
             return f"the saved state was not used: llama.cpp refused it ({err})"
-        self.gate.resume(state.gate)
         self.memory.reset(round=state.memory[0])
         self.memory.restore(state.memory)
         by_index = {m.index: m for m in rereadable}
         self._segments = [_Segment(i, by_index[i].role, by_index[i].content) for i in state.segments]
-        self._turn_certs = [(i + 1, t.gate_stat, t.gate_fired) for i, t in enumerate(self.store.turns(conversation_id))]
+        self._turn_certs = _certificates(self.store.turns(conversation_id))
         return None
 
-    def _kept_turns(self, conversation_id: int) -> list[TurnRecord]:
-        """The conversation's turns but those whose answer was rolled back (an independent probe's); a replaced
-        answer (teacher forcing) was answered and kept."""
+    def _kept_turns(self, conversation_id: int, logged: list[TurnRecord]) -> list[TurnRecord]:
+        """The conversation's ``logged`` turns but those whose answer was rolled back (an independent probe's); a
+        replaced answer (teacher forcing) was answered and kept."""
         rolled_back = {m.id for m in self.store.messages(conversation_id)
                        if m.meta.get("discarded") and not m.meta.get("replaced")}
-        return [t for t in self.store.turns(conversation_id) if t.message_id not in rolled_back]
+        return [t for t in logged if t.message_id not in rolled_back]
 
     def _save_state(self, last_message_id: int | None = None) -> None:
         """Save what the next turn needs (after a turn, or a re-read on opening). A failure costs only the next
