@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from agent import paths, policies
+from agent import paths
+from agent.eviction import policies
 
 POLICIES = policies.NAMES
 EVICT_AT = ("question", "turn-end")
@@ -46,13 +47,13 @@ class Config:
     gpu_layers: int = 0
     """Layers offloaded to the GPU (needs a CUDA build; 0 = CPU only)."""
     policy: str = "poisson"
-    """Eviction policy: full, window, topk, random or poisson (agent/policies.py)."""
+    """Eviction policy: full, window, topk, random or poisson (agent/eviction/policies.py)."""
     budget: str = "10%"
     """KV budget: a token count ("1024") or a share of the history ("10%")."""
     gate: str = "auto"
     """Gate threshold τ on the turn's statistic, "off" to disable, or "auto" for the calibrated default (which
     follows the conversation: its calibrated τ, raised to a multiple of the median of the recent turn statistics
-    when the conversation's turns read higher — agent/gate_calibration.json). A number is a fixed τ. "auto" on a model
+    when the conversation's turns read higher — agent/gate/gate_calibration.json). A number is a fixed τ. "auto" on a model
     the calibration was not fitted on (known by its GGUF's sha256) keeps the full cache and says so: its gate would
     not fire, and eviction would forget silently; a number or "off" evicts on any model."""
     seed: int = 0
@@ -104,7 +105,7 @@ class Config:
     """Last prompt tokens over which the question-window certificate is computed (with evict_at "question",
     prefilled after the eviction)."""
     gate_stat: str = "auto"
-    """Turn statistic the gate compares with τ: "auto" (the one the calibration chose, agent/gate_calibration.json),
+    """Turn statistic the gate compares with τ: "auto" (the one the calibration chose, agent/gate/gate_calibration.json),
     question.max (maximum over the question window's rows × layers × heads of the relative certificate),
     question.q (their 95th percentile) or any key of the turn detail, e.g. answer.step_max_q (running maximum)."""
     reread_copy: bool = False
@@ -123,7 +124,7 @@ class Config:
     most anomalous messages that fit are re-read. 0: always the whole history."""
     sketch_layers: str = "auto"
     """Model layers whose evicted keys the evicted-key sketch keeps, comma-separated (e.g. "11,13,15,20,22"),
-    "auto" for the layers the gate's calibration chose (agent/gate_calibration.json; on a sliding-window model
+    "auto" for the layers the gate's calibration chose (agent/gate/gate_calibration.json; on a sliding-window model
     the nearest full-attention ones, since a windowed layer never sees an evicted message), or "" for no sketch. With a
     sketch every turn records ``sketch.max`` — how far the question's estimated attention on a mostly evicted
     message exceeds what earlier questions paid it — and the messages it implicates, which a ``sketch.*`` gate

@@ -1,6 +1,6 @@
 """One line of the replay JSONL format (docs/REPLAY_FORMAT.md) as a checked message object.
 
-Shared by the log's import (``memory_store.export``) and the replay scripts (``agent.replay.script``):
+Shared by the log's import (``memory_store.export``) and the replay scripts (``agent.lab.replay.script``):
 both read the same lines and must refuse the same mistakes in the same words; each caller adds the
 file and line number to the reason.
 """

@@ -15,9 +15,10 @@ import time
 
 import numpy as np
 
-from agent import bench, models
+from agent import models
+from agent.lab import bench
 from agent.config import Config
-from agent.engine import Engine, EngineSettings
+from agent.llm.engine import Engine, EngineSettings
 
 
 def main() -> int:

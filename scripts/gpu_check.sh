@@ -7,7 +7,7 @@
 #   llama-src.tar.gz      the pristine llama.cpp parts a `llama` build needs (~6 MB); the patches
 #                         themselves travel as tracked files (native/patches/*.patch)
 #   site-packages.tar.gz  numpy, llama_cpp (Python bindings), pytest and what they import (~30 MB)
-#   tiny-qwen2-f16.gguf, tiny-qwen2-f32.gguf   random-weights models (scripts/make_tiny_gguf.py)
+#   tiny-qwen2-f16.gguf, tiny-qwen2-f32.gguf   random-weights models (agent/lab/tiny_gguf.py)
 #
 #   scripts/gpu_check.sh prepare            here, no GPU needed
 #   scripts/gpu_check.sh build              on the GPU machine: apply the patches, CUDA build (~5-8 min, 16 cores)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.replay import aggregate, longdemo, report, studies  # noqa: E402
+from agent.lab.replay import aggregate, longdemo, report, studies  # noqa: E402
 
 PAPER = [
     ("recall at a 10% budget, gated vs top-k (thirty-turn recall)", "0.97 vs 0.09"),

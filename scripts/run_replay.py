@@ -1,6 +1,6 @@
 """Run `certchat replay …` / `certchat demo …` without the console script (same arguments).
 
-Useful before `agent.cli_replay` is registered in `agent/cli.py`, and for running a shard
+Useful before `agent.lab.cli_replay` is registered in `agent/cli/main.py`, and for running a shard
 on another machine from a checkout: `python scripts/run_replay.py replay SCRIPT… --shard 2/4`.
 """
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent import cli_replay, logs  # noqa: E402
+from agent import logs  # noqa: E402
+from agent.lab import cli_replay  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from agent import calibration, models
+from agent import models
+from agent.gate import calibration
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +50,7 @@ def small_model() -> Path:
 def calibrated_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
     """``calibrated_for("smollm2-135m")``: for this test, the shipped gate calibration holds for that registry model
     (its records name the model's hash). Under gate "auto" a model the calibration does not cover keeps the full
-    cache (agent.memory); tests of eviction under the calibrated gate on the fast models mark them this way."""
+    cache (agent.eviction.budget); tests of eviction under the calibrated gate on the fast models mark them this way."""
 
     def mark(name: str) -> None:
         shipped = json.loads(calibration.PATH.read_text(encoding="utf-8"))["calibrations"]

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-import project_scripts
+from agent.lab import tiny_gguf
 from native import patched, runtime
 from native.ggml_tensor import GGML_TYPE_F16, GGML_TYPE_F32, GgmlTensor, src  # noqa: F401 (re-exported)
 from native.ggml_tensor import read as read_tensor
@@ -173,13 +173,13 @@ def tokens(n: int, seed: int = 0, low: int = 200, high: int = 8000) -> list[int]
 
 
 def tiny_model(arch: str, directory: Path, dtype: str = "f16") -> Path:
-    """Write (once) the tiny random-weights ``arch`` GGUF of scripts/make_tiny_gguf.py into ``directory``."""
+    """Write (once) the tiny random-weights ``arch`` GGUF of agent/lab/tiny_gguf.py into ``directory``."""
     prepared = os.environ.get("CERTCHAT_TINY_GGUF_DIR")  # set by scripts/gpu_check.sh, which carries them
     if prepared and (Path(prepared) / f"tiny-{arch}-{dtype}.gguf").exists():
         return Path(prepared) / f"tiny-{arch}-{dtype}.gguf"
     path = Path(directory) / f"tiny-{arch}-{dtype}.gguf"
     if not path.exists():
-        project_scripts.load("make_tiny_gguf").write_tiny_gguf(arch, path, dtype=dtype)
+        tiny_gguf.write_tiny_gguf(arch, path, dtype=dtype)
     return path
 
 

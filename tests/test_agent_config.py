@@ -53,10 +53,10 @@ def test_budget_and_gate_parsing() -> None:
 
 
 def test_auto_gate_reads_the_calibration_that_chose_it(tmp_path: Path) -> None:
-    from agent import calibration
+    from agent.gate import calibration
 
     cal = calibration.load()
-    assert cal is not None, "agent/gate_calibration.json ships with the package"
+    assert cal is not None, "agent/gate/gate_calibration.json ships with the package"
     # the default cites the data that chose it
     assert cal.command and "replay" in cal.command and cal.study_command and "--study gating" in cal.study_command
     assert cal.record["in_sample"]["probe_gate_rate"] >= 0 and cal.tau > 0
@@ -86,8 +86,8 @@ def test_adaptive_tau_follows_the_conversation(tmp_path: Path, monkeypatch: pyte
     """An adaptive calibration raises a turn's bar to factor × the median of the conversation's recent sketch
     statistics, never below τ; a rolled-back turn's statistic is not among them, a new conversation starts at τ,
     and an explicit threshold stays fixed."""
-    from agent import calibration
-    from agent.gate import Gate
+    from agent.gate import calibration
+    from agent.gate.decision import Gate
 
     path = tmp_path / "gate_calibration.json"
     path.write_text(json.dumps({"calibrations": [{"statistic": "sketch.max", "tau": 5.0, "evict_at": "turn-end",

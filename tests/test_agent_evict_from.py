@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from agent import bench, events as ev
+from agent import events as ev
+from agent.lab import bench
 from agent.config import Config, ConfigError, load
-from agent.engine import Engine, EngineSettings
-from agent.replay import drive, runner
-from agent.session import ChatSession
+from agent.llm.engine import Engine, EngineSettings
+from agent.lab.replay import drive, runner
+from agent.chat.session import ChatSession
 from memory_store.store import Store
 from tests.reliability_support import cli, one_line_error
 

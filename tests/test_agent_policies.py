@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent import events as ev, policies
+from agent import events as ev
+from agent.eviction import policies
 from agent.config import EVICT_AT, Config
-from agent.engine import Engine, EngineSettings
-from agent.replay import drive
-from agent.session import ChatSession
+from agent.llm.engine import Engine, EngineSettings
+from agent.lab.replay import drive
+from agent.chat.session import ChatSession
 from memory_store.store import Store
 
 FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø in 1987."]
@@ -235,7 +236,7 @@ def test_a_message_that_fills_the_budget_is_uncertified_and_gated(engine: Engine
 def test_evicted_share_counts_the_attention_standing_in_for_evicted_cells() -> None:
     """Per layer: Σ mass·(1 − π) / Σ mass over the cache's cells; protected cells (π = 1) count 0, cells the
     reading saw that the cache no longer holds count nothing, and layers without attention are left out."""
-    from agent.gate import evicted_share as _evicted_share
+    from agent.gate.decision import evicted_share as _evicted_share
     from native import patched
 
     positions = np.array([0, 1, 5, 9])

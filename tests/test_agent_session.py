@@ -10,10 +10,10 @@ import pytest
 
 from agent import events as ev
 from agent.config import Config
-from agent.engine import Engine, EngineSettings
-from agent.replay import drive
-from agent.session import ChatSession, InputError
-from agent.template import ChatTemplate, TemplateError
+from agent.llm.engine import Engine, EngineSettings
+from agent.lab.replay import drive
+from agent.chat.session import ChatSession, InputError
+from agent.llm.template import ChatTemplate, TemplateError
 from memory_store.store import Store
 from native import llama
 
@@ -224,7 +224,7 @@ def test_a_gated_reread_reports_progress_and_can_be_stopped(engine: Engine, tmp_
 def test_the_certificate_shown_is_the_calibrated_form_of_the_graphs(engine: Engine, tmp_path: Path) -> None:
     """The turn reads sqrt(V̂)/‖ô‖ from the graph and shows it in the calibrated form for the model, budget and
     rounds the engine has been through (a model the calibration does not hold: the largest candidate)."""
-    from agent import certificate
+    from agent.gate import certificate
 
     config = Config(model="smollm2-135m", n_ctx=1024, policy="poisson", max_tokens=24, budget="25%", evict_from=0,
                     gate="off", gate_stat="question.max", evict_at="turn-end")

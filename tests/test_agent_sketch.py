@@ -10,12 +10,12 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from agent import calibration
+from agent.gate import calibration
 from agent.config import EVICT_AT, Config, ConfigError
-from agent.engine import Engine, EngineSettings
-from agent.gate import SHARE_FLOOR, recorded_ratios
-from agent.replay import drive
-from agent.session import ChatSession
+from agent.llm.engine import Engine, EngineSettings
+from agent.gate.decision import SHARE_FLOOR, recorded_ratios
+from agent.lab.replay import drive
+from agent.chat.session import ChatSession
 from memory_store.store import Store
 
 FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø in 1987."]
@@ -87,7 +87,7 @@ def test_every_turn_records_the_question_s_attention_on_evicted_messages(engine:
     # the turn record keeps the numbers (the studies re-run offline from them)
     assert s.store.turns(s.conversation_id)[-1].cert_stats["sketch.max"] == pytest.approx(last["sketch.max"])
     # per message with evicted cells, its share and baseline per layer: sketch.max comes back from them alone
-    # (scripts/sketch_layers.py does this for layer subsets)
+    # (agent/lab/fits/sketch_layers.py does this for layer subsets)
     assert last["sketch.layers"] == [10, 20]
     records = last["sketch.messages"]
     assert records and all(r["evicted"] > 0 and len(r["share"]) == 2 for r in records.values())

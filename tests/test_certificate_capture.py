@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from agent.config import Config
-from agent.replay import batch, capture, script
+from agent.lab.replay import batch, capture, script
 from script_support import code_number_script
 
 

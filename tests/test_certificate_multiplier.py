@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import project_scripts
-from agent import calibration, certificate
-from agent.certificate import CertificateForm, Component
+from agent.gate import calibration
+from agent.gate import certificate
+from agent.lab.fits import certificate_multiplier
+from agent.gate.certificate import CertificateForm, Component
 from agent.config import Config
-from agent.gate import Gate
+from agent.gate.decision import Gate
 
 
 def test_conformal_multiplier_is_the_right_order_statistic() -> None:
@@ -65,7 +66,7 @@ def test_the_two_phase_fit_recovers_an_evicted_part_that_grows_with_the_evicted_
     the evicted cells), relative to ‖ô‖²: the study's two-phase fit recovers λ and μ, covers held-out cells at
     nominal (Binomial(4000, 0.95): outside [3764, 3833] with probability 0.1%), and ranks the errors better than
     the shipped form, which sees no m."""
-    script = project_scripts.load("fit_certificate_multiplier")
+    script = certificate_multiplier
     rng = np.random.default_rng(20261203)
     lam, mu = np.array([0.01, 0.04, 0.02]), np.array([0.5, 0.0, 2.0])
 

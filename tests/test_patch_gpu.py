@@ -2,7 +2,7 @@
 KV cache on the GPU, plus CPU/GPU agreement. Skipped (not faked) without a CUDA device; run them on a
 lent GPU machine with scripts/gpu_check.sh, which builds the patched tree with CUDA.
 
-Models are the tiny random-weights GGUFs of scripts/make_tiny_gguf.py (they travel to the GPU
+Models are the tiny random-weights GGUFs of agent/lab/tiny_gguf.py (they travel to the GPU
 machine; the real ones do not fit the transfer).
 """
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.engine import Engine, EngineSettings
+from agent.llm.engine import Engine, EngineSettings
 from native import llama, patched
 
 SYSTEM = "You are a helpful assistant. Answer concisely. " * 3

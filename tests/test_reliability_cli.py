@@ -189,7 +189,8 @@ def test_alibi_and_recurrent_models_are_refused_before_the_first_turn(tmp_path: 
 # -- how an error from the core is rendered ------------------------------------------------------
 
 def test_core_errors_render_as_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from agent import cli_errors, logs  # noqa: PLC0415
+    from agent import logs  # noqa: PLC0415
+    from agent.cli import errors as cli_errors  # noqa: PLC0415
     from native.patched import NotPatched, PatchError  # noqa: PLC0415
     from native.poisson import BudgetInfeasible, DesignError  # noqa: PLC0415
 

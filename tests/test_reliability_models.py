@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import doctor, models, paths
+from agent import models, paths
+from agent.cli import doctor
 from memory_store import Store
 from memory_store.db import JOURNAL_SIZE_LIMIT
 from tests.reliability_support import cli, one_line_error

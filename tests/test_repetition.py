@@ -1,11 +1,11 @@
-"""What counts as the question repeating an earlier question (agent.repetition): the rule the gate uses to leave
+"""What counts as the question repeating an earlier question (agent.gate.repetition): the rule the gate uses to leave
 an earlier copy of the question's own words out of ``sketch.max``."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.repetition import is_repeat, repeated_share
+from agent.gate.repetition import is_repeat, repeated_share
 
 
 def test_the_same_words_again_are_a_repeat() -> None:

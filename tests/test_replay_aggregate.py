@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.replay import aggregate, report
-from agent.replay.aggregate import ResultsError
+from agent.lab.replay import aggregate, report
+from agent.lab.replay.aggregate import ResultsError
 
 
 def step(turn: int, kind: str, *, correct: bool | None = None, distance: int | None = None, gate: bool = False,

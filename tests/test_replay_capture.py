@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import Config
-from agent.replay import batch, capture, script, studies
+from agent.lab.replay import batch, capture, script, studies
 from script_support import code_number_script
 
 

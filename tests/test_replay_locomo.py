@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.replay import locomo, script
-from agent.replay.locomo import LocomoError, Options
+from agent.lab.replay import locomo, script
+from agent.lab.replay.locomo import LocomoError, Options
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import cli_replay
-from agent.replay import longchat, scoring, script
-from agent.replay.longchat_facts import FACTS, content_words, reply
+from agent.lab import cli_replay
+from agent.lab.replay import longchat, scoring, script
+from agent.lab.replay.longchat_facts import FACTS, content_words, reply
 
 HAVE_LOCOMO = bool(sorted(longchat.SHARED_LOCOMO.glob("*.json")))
 needs_locomo = pytest.mark.skipif(not HAVE_LOCOMO, reason="the shared LoCoMo data is not on this machine")

@@ -13,9 +13,9 @@ from typing import Callable
 
 import pytest
 
-from agent import cli_replay
+from agent.lab import cli_replay
 from agent.config import Config
-from agent.replay import aggregate, longchat, longdemo
+from agent.lab.replay import aggregate, longchat, longdemo
 
 HAVE_LOCOMO = bool(sorted(longchat.SHARED_LOCOMO.glob("*.json")))
 

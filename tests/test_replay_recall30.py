@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.replay import recall30, script
+from agent.lab.replay import recall30, script
 
 
 def test_scenarios_are_seeded_and_shaped() -> None:

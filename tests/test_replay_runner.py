@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from agent import cli_replay
+from agent.lab import cli_replay
 from agent.config import Config
-from agent.engine import Engine, EngineSettings
-from agent.replay import batch, runner, script
-from agent.replay.runner import Job, Runner
-from agent.replay.replay_store import ReplayStore
+from agent.llm.engine import Engine, EngineSettings
+from agent.lab.replay import batch, runner, script
+from agent.lab.replay.runner import Job, Runner
+from agent.lab.replay.replay_store import ReplayStore
 from memory_store.records import EvictionRound
 from memory_store.store import Store
 
@@ -128,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cli(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    args.argv = argv  # as agent.cli.main records what was typed
+    args.argv = argv  # as agent.cli.main.main records what was typed
     return args.func(args)
 
 
@@ -171,7 +171,7 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_logged_conversation_replays_as_agreement_probes(engine: Engine, tmp_path: Path, tiny: Path) -> None:
-    from agent.replay import logged
+    from agent.lab.replay import logged
 
     s = script.load(tiny)
     r = _runner(engine, tmp_path)
@@ -191,7 +191,7 @@ def test_policies_other_than_full_go_through_the_cache_manager(engine: Engine, t
     try:
         run = r.run(Job(s.name, "poisson", "10%", 0), s)
     except NotImplementedError:
-        pytest.skip("eviction policies have not landed in agent/memory.py yet")
+        pytest.skip("eviction policies have not landed in agent/eviction/budget.py yet")
     assert run["summary"]["peak_live_cells"] > 0
     assert any(x["evictions"] for x in run["steps"])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.replay.scoring import contains, normalize, token_f1
+from agent.lab.replay.scoring import contains, normalize, token_f1
 
 
 def test_containment_is_case_insensitive_and_any_of() -> None:

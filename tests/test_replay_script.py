@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.replay import script
-from agent.replay.script import ScriptError
+from agent.lab.replay import script
+from agent.lab.replay.script import ScriptError
 
 
 def _write(tmp_path: Path, lines: list[object], name: str = "s.jsonl") -> Path:

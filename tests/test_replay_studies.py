@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from agent.replay import aggregate, studies
+from agent.lab.replay import aggregate, studies
 
 
 def test_auc_values() -> None:
@@ -121,7 +121,7 @@ def _loud_doc() -> dict:
 
 
 def test_adaptive_calibration_follows_each_conversation() -> None:
-    from agent.calibration import Adaptive
+    from agent.gate.calibration import Adaptive
 
     rule = Adaptive(2.0, 5)
     (steps,) = studies.paired_steps(_loud_doc(), ("poisson",)).values()
@@ -193,7 +193,7 @@ def test_study_from_results_on_disk_and_the_calibration_file(tmp_path, capsys) -
     import argparse
     import json
 
-    from agent import cli_replay
+    from agent.lab import cli_replay
 
     doc = _doc()
     doc["meta"].update({"machine": "2 CPU cores", "command": "certchat replay x"})

@@ -16,11 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent import cli, events as ev, resume, saved_state
+from agent import events as ev
+from agent.cli import main as cli
+from agent.chat import resume
+from agent.chat import saved_state
 from agent.config import Config
-from agent.engine import Engine, EngineSettings
-from agent.saved_state import SavedState, SavedStates, StateError
-from agent.session import ChatSession
+from agent.llm.engine import Engine, EngineSettings
+from agent.chat.saved_state import SavedState, SavedStates, StateError
+from agent.chat.session import ChatSession
 from memory_store.store import Store
 
 FIRST = ["My locker code is 4172. Remember it.", "I like sailing on the lake near Oslo every summer with my brother.",
@@ -197,7 +200,7 @@ WRITER = """
 import sys
 import numpy as np
 from pathlib import Path
-from agent.saved_state import SavedState, write
+from agent.chat.saved_state import SavedState, write
 path = Path(sys.argv[1])
 for tag in range(1, 10**6):
     write(path, SavedState({"model": "m"}, {"tag": tag}, {"a": np.full(2_000_000, tag, dtype=np.int64)}))

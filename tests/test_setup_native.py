@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent import doctor
+from agent.cli import doctor
 from native import build, llama, runtime
 
 

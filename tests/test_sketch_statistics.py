@@ -1,4 +1,4 @@
-"""scripts/sketch_statistics.py: the offline turn statistics recomputed from recorded sketch readings."""
+"""agent/lab/fits/sketch_statistics.py: the offline turn statistics recomputed from recorded sketch readings."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from types import ModuleType
 
 import pytest
 
-import project_scripts
-from agent.replay import aggregate
+from agent.lab.fits import sketch_statistics
+from agent.lab.replay import aggregate
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "docs/results/data/longchat-8k-adaptive"
 
 
 def _script() -> ModuleType:
-    return project_scripts.load("sketch_statistics")
+    return sketch_statistics
 
 
 def _message(share: list[float], base: list[float] | None, evicted: int = 10, live: int = 0) -> dict:

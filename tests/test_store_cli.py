@@ -1,4 +1,4 @@
-"""``certchat log …`` through a parser built the way agent/cli.py builds it."""
+"""``certchat log …`` through a parser built the way agent/cli/main.py builds it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import cli_log, paths
+from agent import paths
+from agent.cli import log as cli_log
 from memory_store import Store
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import cli_log
+from agent.cli import log as cli_log
 from memory_store import CorruptDatabaseError, Store, StoreError
 
 

@@ -15,15 +15,15 @@ import pytest
 
 from agent import events as ev
 from agent.config import Config
-from agent.engine import Engine, EngineSettings
-from agent.replay import drive, script as scripts
-from agent.session import ChatSession
+from agent.llm.engine import Engine, EngineSettings
+from agent.lab.replay import drive, script as scripts
+from agent.chat.session import ChatSession
 from memory_store.store import Store
 from native import patched
 
-FIXTURE = Path(__file__).resolve().parents[1] / "agent" / "replay" / "fixtures" / "recall30" / "seed-02.jsonl"
+FIXTURE = Path(__file__).resolve().parents[1] / "agent" / "lab" / "replay" / "fixtures" / "recall30" / "seed-02.jsonl"
 SKETCH: dict[str, object] = {}
-"""The shipped gate: sketch.max with the layers and τ the calibration chose (agent/gate_calibration.json)."""
+"""The shipped gate: sketch.max with the layers and τ the calibration chose (agent/gate/gate_calibration.json)."""
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_the_whole_history_is_reread_when_no_message_can_be_named(small: Engine,
 def test_a_long_history_reads_what_fits_instead_of_the_whole(small: Engine, tmp_path: Path) -> None:
     """Past WHOLE_REREAD_FACTOR × reread_budget tokens of history, a spread question re-reads its most anomalous
     messages that fit the budget, not the whole history (here: every message stands out at τ = 0)."""
-    from agent.gate import WHOLE_REREAD_FACTOR  # noqa: PLC0415
+    from agent.gate.decision import WHOLE_REREAD_FACTOR  # noqa: PLC0415
 
     s = _facts_and_fillers(small, tmp_path)
     history = sum(len(m.tokens) for m in s.store.messages(s.conversation_id) if m.tokens is not None)

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from agent import events as ev, saved_state
+from agent import events as ev
+from agent.chat import saved_state
 from agent.config import Config
-from agent.session import ChatSession
+from agent.chat.session import ChatSession
 from memory_store import export
 from memory_store.records import Message, Turn
 from memory_store.store import Store

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from agent import cli_chat, cli_errors
+from agent.cli import chat as cli_chat
+from agent.cli import errors as cli_errors
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:

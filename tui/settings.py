@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agent import config as cfg, policies
+from agent import config as cfg
+from agent.eviction import policies
 
 POLICY_HELP = {name: policy.help for name, policy in policies.POLICIES.items()}
 

@@ -1,0 +1,1 @@
+"""The ``certchat`` command line: argument parsing, subcommands and their one-line errors."""

@@ -1,0 +1,171 @@
+"""`certchat doctor`: what is installed, what is loaded, and where everything lives."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import platform
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from agent import models, paths
+from agent.gate import calibration
+from agent.eviction import policies
+from agent import config as config_mod
+from agent.chat.saved_state import SavedStates, state_dir
+from native import runtime
+
+PATCH_MARKER = "llama_certchat_patch_version"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def report() -> dict[str, Any]:
+    """Everything doctor knows, as one JSON-able object."""
+    out: dict[str, Any] = {
+        "certchat": _version("certchat"),
+        "python": platform.python_version(),
+        "llama_cpp_python": _version("llama-cpp-python"),
+        "textual": _version("textual"),
+        "sqlite_utils": _version("sqlite-utils"),
+        "sqlite": sqlite3.sqlite_version,
+        "numpy": _version("numpy"),
+        "data_dir": str(paths.data_dir()),
+        "cache_dir": str(paths.cache_dir()),
+        "config_path": str(paths.config_path()),
+        "db_path": str(paths.db_path()),
+        "patched": False,
+        "patch_version": None,
+        "cuda": False,
+        "gpu_offload": False,
+        "library_path": None,
+        "core_library": None,
+        "core_cuda_library": None,
+        "errors": [],
+    }
+    out["warnings"] = []
+    if wal_reset_race(sqlite3.sqlite_version):
+        out["warnings"].append(
+            f"Python's SQLite {sqlite3.sqlite_version} is in the range affected by SQLite's WAL-reset race "
+            "(3.7.0–3.51.2, fixed in 3.51.3): certchat writes one log from several connections, so a rare "
+            "interleaving can lose a commit; use a Python whose sqlite3 is 3.51.3 or newer")
+    out["saved_states"] = _saved_states()
+    out["models"] = {}
+    for name in models.REGISTRY:
+        found = models.state(name)
+        out["models"][name] = {"present": found == "ok", "state": found, "path": str(models.model_file(name)),
+                               "gate_calibrated": calibration.covers(models.REGISTRY[name].sha256)}
+        if found == "damaged":
+            out["errors"].append(models.damaged_message(name))
+    out["gate"] = gate_report()
+    try:
+        libs = runtime.built_libs()
+        out["cuda"] = libs.cuda
+        out["build_key"] = libs.key
+        llama_cpp = runtime.llama_cpp()
+        loaded = runtime.llama_cdll()
+        out["library_path"] = str(loaded._name)
+        marker = getattr(loaded, PATCH_MARKER, None)
+        if marker is not None:
+            marker.restype = ctypes.c_int32
+            marker.argtypes = []
+            out["patched"] = True
+            out["patch_version"] = int(marker())
+        out["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
+        for key, cuda in (("core_library", False), ("core_cuda_library", True)):
+            try:
+                out[key] = str(runtime.core_library_path(cuda))
+            except runtime.NativeNotBuilt:
+                pass
+    except (runtime.NativeNotBuilt, OSError) as err:
+        out["errors"].append(str(err))
+    return out
+
+
+def _saved_states() -> dict[str, Any]:
+    """The saved chat states beside the log: how many, their size, and the disk budget they are pruned under."""
+    try:
+        budget_mb = config_mod.load().saved_states_mb
+    except config_mod.ConfigError:
+        budget_mb = config_mod.Config().saved_states_mb
+    states = SavedStates.beside(paths.db_path(), budget_mb).states()
+    return {"dir": str(state_dir(paths.db_path())), "count": len(states), "bytes": sum(s.size for s in states),
+            "budget_bytes": budget_mb * 1024 * 1024}
+
+
+def gate_report() -> dict[str, Any]:
+    """Whether the configured model's gate is calibrated, and so whether an evicting policy evicts under gate
+    "auto" (agent.eviction.budget: on a model the calibration does not cover the chat keeps the full cache)."""
+    try:
+        cfg = config_mod.load()
+    except config_mod.ConfigError as err:
+        return {"error": str(err)}
+    registry = models.REGISTRY.get(cfg.model)
+    path = Path(cfg.model).expanduser()
+    try:
+        sha = registry.sha256 if registry else models.gguf_sha256(path) if path.is_file() else None
+    except OSError:
+        sha = None
+    calibrated = calibration.covers(sha, cfg.evict_at) if sha else None
+    held = config_mod.parse_gate(cfg.gate) == "auto" and policies.from_config(cfg).evicts and calibrated is False
+    return {"model": cfg.model, "gate": cfg.gate, "policy": cfg.policy, "evict_at": cfg.evict_at,
+            "calibrated": calibrated,
+            "note": f"{calibration.UNCALIBRATED}; {calibration.UNCALIBRATED_HOW}" if held else None}
+
+
+def wal_reset_race(version: str) -> bool:
+    """Whether SQLite ``version`` has the WAL-reset race."""
+    try:
+        parts = tuple(int(x) for x in version.split(".")[:3])
+    except ValueError:
+        return False
+    return (3, 7, 0) <= parts <= (3, 51, 2)
+
+
+def render(data: dict[str, Any]) -> str:
+    """Human-readable report."""
+    yes = {True: "yes", False: "no"}
+    lines = [
+        f"certchat {data['certchat']}  (Python {data['python']}, llama-cpp-python {data['llama_cpp_python']}, "
+        f"textual {data['textual']}, SQLite {data['sqlite']})",
+        f"llama.cpp library : {data['library_path'] or 'not loaded'}",
+        f"  carries our patch: {yes[data['patched']]}"
+        + (f" (patch version {data['patch_version']})" if data["patch_version"] is not None else ""),
+        f"  backend          : {'CUDA' if data['cuda'] else 'CPU'}",
+        f"design core       : {data['core_library'] or 'missing'}"
+        + (f"; CUDA variant {data['core_cuda_library']}" if data["core_cuda_library"] else ""),
+        "models:",
+    ]
+    for name, info in data["models"].items():
+        shown = {"ok": "present", "damaged": "DAMAGED"}.get(info.get("state", ""), "not pulled")
+        gate = "gate calibrated" if info.get("gate_calibrated") else "gate not calibrated"
+        lines.append(f"  {name:<20} {shown:<10} {gate:<19} {info['path']}")
+    lines.append(_gate_line(data.get("gate", {})))
+    lines += [
+        f"data dir          : {data['data_dir']}",
+        f"cache dir         : {data['cache_dir']}",
+        f"config            : {data['config_path']}",
+        f"database          : {data['db_path']}",
+    ]
+    saved = data.get("saved_states")
+    if saved:
+        lines.append(f"saved chat states : {saved['count']} in {saved['dir']}, {saved['bytes'] / 2**20:.1f} MiB of "
+                     f"{saved['budget_bytes'] / 2**20:.0f} MiB" if saved["budget_bytes"] else
+                     f"saved chat states : off (saved_states_mb = 0); {saved['count']} left in {saved['dir']}")
+    lines += [f"warning: {text}" for text in data.get("warnings", [])]
+    lines += [f"problem: {err}" for err in data["errors"]]
+    return "\n".join(lines)
+
+
+def _gate_line(gate: dict[str, Any]) -> str:
+    if "error" in gate:
+        return f"gate              : unknown ({gate['error']})"
+    state = {True: "calibrated", False: "not calibrated", None: "model not found"}[gate.get("calibrated")]
+    line = f"gate              : {gate.get('gate')} on {gate.get('model')} (evict_at {gate.get('evict_at')}): {state}"
+    return line + (f"\n  {gate['note']}" if gate.get("note") else "")

@@ -1,0 +1,1 @@
+"""Eviction: the policies that choose which cells to keep, and the manager that holds the cache to its budget."""

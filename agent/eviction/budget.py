@@ -1,0 +1,302 @@
+"""The cache manager: the budget, the protected set, and eviction rounds for one engine.
+
+It turns the policy's scores into a keep set through the design core (``native.poisson``) and
+hands it to :meth:`Engine.evict`, which alone changes the cache; it returns what it did as an
+:class:`EvictionReport` for the session to log. It also decides when the graph's attention
+readout runs (the policy's importance and the gate's certificates come from it) and keeps the
+readings that score the next eviction.
+
+With ``evict_at = "question"`` eviction is question-aware: the session prefills the user's
+message except its last ``cert_window`` tokens (:meth:`split_question`), the attention of those
+rows' last ``question_window`` decides what matters, the cache is evicted, and the held-back
+tokens are prefilled on the evicted cache, so their certificate is the error of the cache that
+will actually answer. With ``evict_at = "turn-end"`` the session evicts after the answer (scored
+by the question's attention and the answer's closing tokens' attention, protecting only the
+sinks and the recent window) and the next message's prefill runs on the evicted cache, so its
+own window certifies it.
+
+Below ``evict_from`` tokens of history the manager runs the full cache: no budget, no eviction, and the
+readout off (so no importance, certificate or sketch query rows, and a gate has nothing to fire on). The
+readout comes back a turn's worth of tokens before the threshold (:attr:`readout_lead`), so the round
+that first evicts is scored by the attention of the question and answer that crossed it.
+
+Under ``gate = "auto"`` on a model the gate was not calibrated for (``calibration.covers``), an evicting policy
+does not apply at any length (:attr:`CacheManager.full_reason`): the calibrated floor sits where such a model's
+turns never reach it, so the gate would never fire and eviction would forget silently. An explicit threshold or
+``gate = "off"`` is the user's choice and evicts as configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from agent import models
+from agent.gate import calibration
+from agent.eviction import policies
+from agent.config import Config, parse_budget, parse_gate
+from agent.config import sketch_layers as parse_sketch_layers
+from agent.llm.engine import Engine
+from native import patched, poisson
+
+
+@dataclass(frozen=True)
+class EvictionReport:
+    """One eviction round, as the session logs it."""
+
+    round: int
+    policy: str
+    seed: int
+    cells_before: int
+    cells_after: int
+    budget_cells: int
+    sum_pi: float
+    feasible: bool
+
+
+class CacheManager:
+    """Budget, protected set and eviction rounds for one engine's cache."""
+
+    def __init__(self, engine: Engine, config: Config) -> None:
+        self.engine = engine
+        self.config = config
+        self.policy: policies.Policy = policies.from_config(config)
+        self.round = 0
+        self._longest = 0
+        """The longest history this conversation's cache has held (a re-read starts the cache from position 0,
+        but the history it reads is no shorter: eviction, once begun, goes on)."""
+        self._importance: list[patched.Importance] = []
+        """Attention readings since the last eviction (the question's window; at turn end also the closing's)."""
+        self._model_sha256: str | None = None
+        """The model's GGUF hash, read when first needed (hashing a file that is not a registry one takes seconds)."""
+        self.full_reason: str | None = None
+        """Why the evicting policy does not apply at any history length (None: it applies from ``evict_from``)."""
+        self.reconfigure(config)
+
+    # -- configuration ------------------------------------------------------------------
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+        self.policy = policies.from_config(config)
+        self.full_reason = self._uncalibrated()
+        # The readout costs a little per step: on only for a policy that uses it, and with a window fixed for
+        # the context, since every window change rebuilds the scheduler's graph reservation. A ubatch reports
+        # its last min(rows, n_tokens) rows, so one setting serves the question window of a prefill, the
+        # held-back question tokens and one-token decodes.
+        # The sketch keeps what a sampled design evicts, for the gate: its query rows are the certificate window's.
+        sketched = self.policy.sampled and self.policy.evicts and self.full_reason is None
+        layers = parse_sketch_layers(config.sketch_layers)
+        if layers is None:
+            layers = calibration.sketch_layers(self.engine.info.layer_windows, config.evict_at)
+        self.engine.set_sketch(layers if sketched else (), config.sketch_bits, config.cert_window)
+        if self.policy.reads_attention:
+            self.set_readout(True)
+        elif self.engine.readout[1]:
+            self.engine.set_readout(False, self.engine.readout[1])
+
+    def _uncalibrated(self) -> str | None:
+        """:data:`calibration.UNCALIBRATED` when the policy evicts under ``gate = "auto"`` on a model the gate's
+        calibration does not cover; None otherwise (a threshold or "off" was chosen, or nothing is evicted)."""
+        if not self.policy.evicts or parse_gate(self.config.gate) != "auto":
+            return None
+        if self._model_sha256 is None:
+            try:
+                self._model_sha256 = models.gguf_sha256(self.engine.settings.model_path)
+            except OSError:
+                return calibration.UNCALIBRATED  # an unreadable file is no calibrated one: fail safe
+        return None if calibration.covers(self._model_sha256, self.config.evict_at) else calibration.UNCALIBRATED
+
+    @property
+    def readout_rows(self) -> int:
+        return max(1, self.config.question_window, self.config.cert_window)
+
+    @property
+    def reads_attention(self) -> bool:
+        return self.policy.reads_attention
+
+    def set_readout(self, on: bool) -> None:
+        """Resume or pause the readout of a policy that uses it (a plain answer step needs none); below
+        ``evict_from`` (less the lead) it stays off."""
+        if self.reads_attention:
+            self.engine.set_readout(on and self.readout_due(), self.readout_rows)
+
+    # -- the full cache below evict_from ---------------------------------------------------------
+    @property
+    def evict_from(self) -> int:
+        """``evict_from``, but no later than the length at which the full cache could no longer take a turn (the
+        context less a question's batch and an answer): a context filled by the full cache would lose its oldest
+        messages to a truncated re-read, evicted by no policy and certified by no gate."""
+        return min(self.config.evict_from, max(0, self.engine.n_ctx - self.readout_lead))
+
+    @property
+    def readout_lead(self) -> int:
+        """Tokens before ``evict_from`` at which the readout comes on: a question's batch and an answer, so the
+        turn that crosses the threshold is read while it is prefilled."""
+        return self.config.n_batch + self.config.max_tokens + 16
+
+    @property
+    def history(self) -> int:
+        """The conversation's history length in tokens, as the cache has seen it."""
+        self._longest = max(self._longest, self.engine.next_pos)
+        return self._longest
+
+    def evicting(self, history: int | None = None) -> bool:
+        """Whether the policy applies at ``history`` tokens (default: now): it evicts and the history has
+        reached ``evict_from``."""
+        length = self.history if history is None else max(history, self.history)
+        return self.policy.evicts and self.full_reason is None and length >= self.evict_from
+
+    def readout_due(self) -> bool:
+        """The readout serves eviction and the gate: on from a turn's worth of tokens before ``evict_from``."""
+        return (self.policy.evicts and self.full_reason is None
+                and self.history + self.readout_lead >= self.evict_from)
+
+    @property
+    def full_until(self) -> int | None:
+        """``evict_from`` while an evicting policy still runs the full cache below it (for the status line);
+        None once eviction applies, for a policy that never evicts, or while it does not apply at all
+        (:attr:`full_reason`)."""
+        return self.evict_from if self.policy.evicts and self.full_reason is None and not self.evicting() else None
+
+    def reset(self, round: int = 0) -> None:
+        """A new or reopened conversation; ``round``: the next eviction round the log expects."""
+        self.round = round
+        self._longest = 0
+        self.reset_cache_state()
+
+    def reset_cache_state(self) -> None:
+        """The cache was cleared (re-prefill follows)."""
+        self._importance = []
+        self.set_readout(True)
+
+    def snapshot(self) -> Any:
+        return (self.round, list(self._importance), self.history)
+
+    def restore(self, snap: Any) -> None:
+        self.round, self._importance, self._longest = snap[0], list(snap[1]), snap[2]
+
+    # -- budget ----------------------------------------------------------------------------
+    def budget_cells(self, history: int | None = None) -> int | None:
+        """Cells the budget allows for a history of ``history`` positions (default: the current one); None for
+        the full cache (a policy that never evicts, or a history below ``evict_from``)."""
+        if not self.evicting(history):
+            return None
+        kind, value = parse_budget(self.config.budget)
+        length = self.engine.next_pos if history is None else history
+        cells = int(value) if kind == "tokens" else int(round(value * max(length, 1)))
+        return max(cells, self.config.sinks + self.config.recent)
+
+    def split_question(self, n_tokens: int) -> int:
+        """How many of a question's ``n_tokens`` to hold back until after its eviction: the certificate
+        window, when prefilling the rest will take the cache past its budget (else 0, one prefill). The
+        rest's last rows score the eviction; the held-back rows, prefilled on the evicted cache, certify it."""
+        hold = min(self.config.cert_window, n_tokens - 1)
+        if not self.reads_attention or not self.readout_due() or hold < 1:
+            return 0
+        head = n_tokens - hold
+        budget = self.budget_cells(self.engine.next_pos + head)
+        return hold if budget is not None and len(self.engine.cache) + head > budget else 0
+
+    # -- attention readings ------------------------------------------------------------
+    def after_prefill(self) -> patched.Importance | None:
+        """The question's attention (importance) on the pre-eviction cache: kept to score the next eviction,
+        and returned for the gate (None when the readout is off, or below ``evict_from``: the full cache has
+        nothing to certify, so the gate has nothing to fire on)."""
+        if not self.reads_attention:
+            return None
+        self._importance = []
+        self.read_importance()
+        return self._importance[-1] if self._importance and self.evicting() else None
+
+    def read_importance(self, add: bool = False) -> None:
+        """Keep the attention the last feed's window rows paid each cell (the next eviction's scores);
+        ``add`` keeps the earlier readings too (a turn-end eviction scores with the question's and the
+        closing's attention)."""
+        if self.engine.reading:
+            reading = self.engine.read_importance()
+            self._importance = [*self._importance, reading] if add else [reading]
+
+    def _scores(self, positions: np.ndarray) -> np.ndarray | None:
+        """Importance per position: each reading as a share of its own mass, summed over the readings."""
+        if not self._importance:
+            return None
+        total = np.zeros(len(positions), dtype=np.float64)
+        for reading in self._importance:
+            mass = reading.per_position(positions)
+            total += mass / max(float(mass.sum()), 1e-30)
+        return total
+
+    # -- eviction ------------------------------------------------------------------------
+    def evict(self, protect_from: int, budget: int | None = None) -> EvictionReport | None:
+        """Bring the cache back to its budget; positions ≥ ``protect_from`` are never evicted."""
+        pol = self.policy
+        target = budget if budget is not None else self.budget_cells()
+        cache = self.engine.cache
+        n = len(cache)
+        if not pol.evicts or target is None or n <= target:
+            return None
+        if pol.needs_importance and not self._importance:
+            # Nothing read yet to score with (the readout was off below evict_from when this history arrived in
+            # one batch, e.g. a reopened conversation): the next prefill reads it, and the round waits for it.
+            return None
+        positions = np.asarray(cache.positions, dtype=np.int64)
+        segments = np.asarray(cache.segments, dtype=np.int64)
+        protected = self._protected(positions, protect_from, target)
+        scores = pol.score(policies.CacheView(positions, segments, self._scores(positions)))
+        unprotected = scores[~protected]
+        plan = poisson.plan_eviction(
+            scores, protected, float(target), method=pol.design,  # type: ignore[arg-type]
+            page_size=self.config.page_size, message_ids=segments, top_share=pol.top_share,
+            floor=pol.floor * float(unprotected.mean()) if unprotected.size else 0.0,
+            seed=self.config.seed, round=self.round, positions=positions,
+            prev_cum_logpi=np.asarray(cache.logpi, dtype=np.float64), strict=False,
+        )
+        self.engine.evict(np.asarray(plan.keep, dtype=bool), plan.cum_logpi if pol.sampled else None)
+        report = EvictionReport(round=self.round, policy=pol.name, seed=self.config.seed, cells_before=n,
+                                cells_after=len(cache), budget_cells=int(target), sum_pi=float(plan.expected_kept),
+                                feasible=plan.feasible)
+        self.round += 1
+        # The readings stay: they map cells to the positions they held, so after compaction they still score
+        # the survivors (a make_room eviction before the next prefill has nothing newer); the next prefill
+        # replaces them.
+        return report
+
+    def _protected(self, positions: np.ndarray, protect_from: int, target: float) -> np.ndarray:
+        """Sinks, the recent window before the current message, the current message (if any), and the newest
+        cell (the next batch continues from its position).
+
+        The recent window gives way: it takes at most half of the budget beyond the sinks and the message,
+        leaving the rest to the top slice and the sampled tail. Otherwise a short history's budget (10% of
+        400 tokens: 40 cells) is all protected cells, nothing is sampled, and the certificate is 0 by
+        construction."""
+        protected = positions >= protect_from
+        protected[: self.config.sinks] = True
+        before = np.flatnonzero(positions < protect_from)
+        spare = int(target) - int(np.count_nonzero(protected))
+        recent = min(self.config.recent, max(0, spare // 2))
+        if recent and len(before):
+            protected[before[-recent:]] = True
+        protected[-1:] = True
+        return protected
+
+    def make_room(self, needed: int) -> tuple[bool, EvictionReport | None]:
+        """Free cells for the next prefill + answer: (freed enough, the round that did it); never for ``full``, nor
+        while the policy does not apply (:attr:`full_reason`: the session keeps the newest history, as for ``full``)."""
+        if not self.policy.evicts or self.full_reason is not None:
+            return False, None
+        target = max(self.config.sinks + self.config.recent, self.engine.n_ctx - needed)
+        budget = min(self.budget_cells() or target, target)
+        report = self.evict(protect_from=self.engine.next_pos, budget=budget)
+        return self.engine.free_cells() >= needed, report
+
+    def retained_by_message(self, roles: dict[int, str], lengths: dict[int, int]) -> list[tuple[int, str, float]]:
+        """(message index, role, share of its tokens still cached) for each message."""
+        segs = np.asarray(self.engine.cache.segments, dtype=np.int64)
+        counts = np.bincount(segs, minlength=max(lengths, default=0) + 1) if len(segs) else np.zeros(1)
+        out = []
+        for index, role in sorted(roles.items()):
+            total = lengths.get(index, 0)
+            kept = int(counts[index]) if index < len(counts) else 0
+            out.append((index, role, min(1.0, kept / total) if total else 1.0))
+        return out

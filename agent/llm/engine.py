@@ -1,0 +1,557 @@
+"""The inference engine: one model, one context, one sequence; prefill, sample, stream, evict.
+
+Drives llama.cpp's low-level API through ``native.llama`` (the high-level ``Llama``
+class assumes contiguous positions, which eviction breaks). The engine is the one owner of
+the KV cache and of its mirror — each live position's token, the message it belongs to and
+its cumulative log inclusion probability: only the engine adds, removes, biases and compacts
+cells (:meth:`Engine.evict` applies a keep set in one call), so policies and the gate read the
+mirror and never write it. It knows nothing of SQLite or the UI.
+"""
+
+from __future__ import annotations
+
+import bisect
+import codecs
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from native import llama, patched
+from native.sketch import EvictedKeySketch, SketchRows
+
+if TYPE_CHECKING:
+    from agent.config import Config
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to load the model and size the context."""
+
+    model_path: Path
+    n_ctx: int = 8192
+    n_batch: int = 512
+    threads: int = 2
+    gpu_layers: int = 0
+
+    @classmethod
+    def from_config(cls, config: "Config", model_path: Path, n_ctx: int | None = None) -> "EngineSettings":
+        """The settings a configuration asks for (``n_ctx`` overrides the configured context size)."""
+        return cls(model_path=model_path, n_ctx=config.n_ctx if n_ctx is None else n_ctx, n_batch=config.n_batch,
+                   threads=config.threads, gpu_layers=config.gpu_layers)
+
+
+@dataclass
+class CacheMirror:
+    """What the KV cache holds, position by position (kept sorted by position)."""
+
+    positions: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    segments: list[int] = field(default_factory=list)
+    """Index of the message each position belongs to (for per-turn retention and spans)."""
+    logpi: list[float] = field(default_factory=list)
+    """Cumulative log inclusion probability of each live position (0 until sampled)."""
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per message: the positions [first, end) it was fed at, whether still live or evicted since (a targeted
+    re-read puts a message's evicted tokens back at these positions)."""
+
+    def append(self, tokens: list[int], start: int, segment: int) -> None:
+        self.positions.extend(range(start, start + len(tokens)))
+        self.tokens.extend(tokens)
+        self.segments.extend([segment] * len(tokens))
+        self.logpi.extend([0.0] * len(tokens))
+        self._extend_span(segment, start, start + len(tokens))
+
+    def insert(self, tokens: list[int], start: int, segment: int) -> None:
+        """Put ``tokens`` back at positions [start, start + n), which no live cell holds, in position order."""
+        at = bisect.bisect_left(self.positions, start)
+        n = len(tokens)
+        self.positions[at:at] = range(start, start + n)
+        self.tokens[at:at] = tokens
+        self.segments[at:at] = [segment] * n
+        self.logpi[at:at] = [0.0] * n
+
+    def _extend_span(self, segment: int, start: int, end: int) -> None:
+        span = self.spans.get(segment)
+        self.spans[segment] = (start, end) if span is None or span[1] != start else (span[0], end)
+
+    def cut(self, pos: int) -> None:
+        """Forget the spans of positions ≥ ``pos`` (the sequence was truncated there)."""
+        for segment, (first, end) in list(self.spans.items()):
+            if first >= pos:
+                del self.spans[segment]
+            elif end > pos:
+                self.spans[segment] = (first, pos)
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Drop the positions where ``mask`` is False."""
+        idx = np.flatnonzero(mask)
+        self.positions = [self.positions[i] for i in idx]
+        self.tokens = [self.tokens[i] for i in idx]
+        self.segments = [self.segments[i] for i in idx]
+        self.logpi = [self.logpi[i] for i in idx]
+
+    def clear(self) -> None:
+        self.positions.clear()
+        self.tokens.clear()
+        self.segments.clear()
+        self.logpi.clear()
+        self.spans.clear()
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """A saved sequence state plus the mirror that describes it."""
+
+    state: bytes
+    positions: list[int]
+    tokens: list[int]
+    segments: list[int]
+    logpi: list[float]
+    next_pos: int
+    sketch: EvictedKeySketch | None = None
+    """The evicted cells' keys at that moment (a copy)."""
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+    held: SketchRows | None = None
+    """The sketch rows of re-inserted cells, kept for their next eviction (see ``Engine._held``)."""
+    reinserted: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    """The live positions :meth:`Engine.reinsert` put back."""
+    rounds: int = 0
+    """Eviction rounds since the cache was last empty (``Engine.rounds``)."""
+
+
+@dataclass
+class Generation:
+    """One generated answer."""
+
+    tokens: list[int]
+    text: str
+    stop: str
+    """"eog" (the model ended its turn), "max_tokens", "cancelled" or "hook" (a step hook asked to stop)."""
+    decode_ms: float
+    logprobs: list[float]
+    """Log-probability of each chosen token under the model (output confidence)."""
+
+    @property
+    def tok_per_s(self) -> float:
+        return 1000.0 * len(self.tokens) / self.decode_ms if self.decode_ms > 0 else 0.0
+
+
+class Engine:
+    """Prefill and decode for one conversation sequence."""
+
+    SEQ = 0
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.model = llama.Model(settings.model_path, n_gpu_layers=settings.gpu_layers)
+        self.info = self.model.info()
+        unsupported = self.model.eviction_unsupported()
+        if unsupported:
+            self.model.close()
+            raise llama.LlamaError(unsupported)
+        self.ctx = llama.Context(
+            self.model,
+            llama.ContextParams(n_ctx=settings.n_ctx, n_batch=settings.n_batch, n_ubatch=settings.n_batch,
+                                n_threads=settings.threads, flash_attn=False),
+        )
+        self.n_ctx = self.ctx.n_ctx()
+        self.batch = llama.Batch(settings.n_batch)
+        self.cache = CacheMirror()
+        self.next_pos = 0
+        self.readout: tuple[bool, int] = (False, 0)
+        """(on, window) of the in-graph attention readout (certificate + importance) the context computes."""
+        self.sketch: EvictedKeySketch | None = None
+        """Phase 1 of the two-phase design: a quantised copy of every evicted cell's keys (``set_sketch``)."""
+        self._sketch_spec: tuple[tuple[int, ...], int, int] = ((), 8, 0)
+        """(layers, bits, query window) of the sketch; no layers: none."""
+        self._held: SketchRows | None = None
+        """The sketch rows of cells re-inserted at their old positions, as first evicted: when those cells are
+        evicted again these rows go back to the sketch, not their keys as re-decoded. A re-inserted cell is decoded
+        over the evicted cache, not over the context its message first had, and its keys can draw a later question's
+        attention out of all proportion (docs/results/NOTES.md)."""
+        self._reinserted = np.empty(0, np.int64)
+        """The live positions :meth:`reinsert` put back (sorted), for :meth:`evict_reinserted`."""
+        self.rounds = 0
+        """Eviction rounds that removed cells since the cache was last empty. After one, every kept cell was
+        decoded over the whole history; after two, some were decoded over an evicted one, and their K/V drift
+        from the full cache's (the certificate is calibrated for each case: agent.gate.certificate)."""
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.biases_lifted = False
+        """The cells' −log π biases are lifted for this turn (:meth:`lift_biases`)."""
+
+    def close(self) -> None:
+        """Free in dependency order: batch, context, model."""
+        self.batch.close()
+        self.ctx.close()
+        self.model.close()
+
+    # -- cache bookkeeping ---------------------------------------------------------------
+    @property
+    def live_cells(self) -> int:
+        return len(self.cache)
+
+    def free_cells(self) -> int:
+        return self.n_ctx - len(self.cache)
+
+    def snapshot(self) -> "EngineSnapshot":
+        """Everything needed to come back to this exact cache (for independent probes)."""
+        return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
+                              list(self.cache.segments), list(self.cache.logpi), self.next_pos,
+                              copy.deepcopy(self.sketch) if self.sketch is not None and self.sketch.n_tokens else None,
+                              dict(self.cache.spans), self._held, self._reinserted, self.rounds)
+
+    def restore(self, snap: "EngineSnapshot") -> None:
+        """Put the cache back as it was, biases included (state files carry none)."""
+        self.ctx.set_seq_state(snap.state, self.SEQ)
+        self.cache = CacheMirror(list(snap.positions), list(snap.tokens), list(snap.segments), list(snap.logpi),
+                                 dict(snap.spans))
+        self.next_pos = snap.next_pos
+        self._write_biases()
+        if snap.sketch is not None:
+            self.sketch = copy.deepcopy(snap.sketch)
+        elif self.sketch is not None:
+            self.sketch.clear()
+        self._held = snap.held
+        self._reinserted = snap.reinserted
+        self.rounds = snap.rounds
+
+    def evict(self, keep: np.ndarray, cum_logpi: np.ndarray | None = None) -> None:
+        """Keep only the live cells where ``keep`` is True (mirror order) and compact the rest away; with
+        ``cum_logpi`` (one value per live cell), the survivors' cumulative log π, written as their −log π
+        logit bias. Arguments are checked before anything changes, so the call does all of it or nothing."""
+        keep = np.asarray(keep, dtype=bool)
+        n = len(self.cache)
+        if keep.shape != (n,):
+            raise ValueError(f"keep mask of shape {keep.shape} for {n} live cells")
+        if cum_logpi is not None:
+            cum_logpi = np.asarray(cum_logpi, dtype=np.float64)
+            kept = cum_logpi[keep] if cum_logpi.shape == (n,) else cum_logpi
+            if cum_logpi.shape != (n,) or not np.isfinite(kept).all() or (kept > 1e-9).any():
+                raise ValueError(f"cum_logpi must hold {n} values, finite and ≤ 0 where kept")
+        if n and not keep[-1]:
+            raise ValueError("the newest cell cannot be evicted: the next batch continues from its position")
+        positions = np.asarray(self.cache.positions, dtype=np.int64)
+        gone = positions[~keep]
+        gone_segments = np.asarray(self.cache.segments, dtype=np.int32)[~keep]
+        layers, bits, _ = self._sketch_spec
+        held = rest = None
+        if self._held is not None and len(gone):
+            held, rest = self._held.split(gone)
+        fresh = ~np.isin(gone, held.positions) if held is not None else np.ones(len(gone), dtype=bool)
+        keys = self.ctx.keys(self.SEQ, layers, gone[fresh]) if layers and fresh.any() else None
+        for p0, p1 in _runs(gone):
+            if not self.ctx.seq_rm(self.SEQ, p0, p1):
+                raise llama.LlamaError(f"could not evict positions [{p0}, {p1})")
+        if rest is not None:
+            self._held = rest
+        self._reinserted = np.setdiff1d(self._reinserted, gone, assume_unique=True)
+        if keys is not None:
+            if self.sketch is None:
+                self.sketch = EvictedKeySketch(layers, self.info.n_head_kv, keys.shape[2] // self.info.n_head_kv, bits,
+                                               threads=self.settings.threads)
+            self.sketch.append(gone[fresh], gone_segments[fresh], keys)
+        if held is not None and self.sketch is not None:
+            self.sketch.put(held)
+        self.cache.keep(keep)
+        if len(gone):
+            self.rounds += 1
+        if cum_logpi is not None:
+            self.cache.logpi = [float(x) for x in cum_logpi[keep]]
+        self._write_biases()
+        self.ctx.compact(self.SEQ)
+
+    def _write_biases(self) -> None:
+        self.biases_lifted = False
+        if len(self.cache):
+            bias = (-np.asarray(self.cache.logpi, dtype=np.float64)).astype(np.float32)
+            self.ctx.set_bias(self.SEQ, np.asarray(self.cache.positions, dtype=np.int32), bias)
+
+    def lift_biases(self) -> None:
+        """Let attention read every live cell as itself — bias 0 — until :meth:`restore_biases`, the next
+        :meth:`evict` or :meth:`restore`; the mirror keeps each cell's cumulative log π for the next round."""
+        if len(self.cache):
+            self.ctx.set_bias(self.SEQ, np.asarray(self.cache.positions, dtype=np.int32),
+                              np.zeros(len(self.cache), dtype=np.float32))
+        self.biases_lifted = True
+
+    def restore_biases(self) -> None:
+        """Write the −log π biases back after :meth:`lift_biases` (nothing to do otherwise)."""
+        if self.biases_lifted:
+            self._write_biases()
+
+    # -- the attention readout -------------------------------------------------------------
+    def set_readout(self, on: bool, window: int) -> None:
+        """Have the graph compute the certificate and the importance over each ubatch's last ``window`` rows
+        (and the sketch's query rows), or stop; a no-op when nothing changes, since every change rebuilds the
+        graph reservation."""
+        if (on, window) != self.readout:
+            self.ctx.set_attn_readout(on, window)
+            layers, _, q_window = self._sketch_spec
+            if layers:
+                self.ctx.set_attn_queries(layers if on else None, q_window)
+            self.readout = (on, window)
+
+    def set_sketch(self, layers: tuple[int, ...], bits: int, window: int) -> None:
+        """Keep the keys of evicted cells for ``layers`` (none: no sketch) and report the query rows of each
+        ubatch's last ``window`` rows for them while the readout is on. A changed sketch starts empty: cells
+        evicted before it are not in it."""
+        if (layers, bits, window) == self._sketch_spec:
+            return
+        bad = [x for x in layers if x >= self.info.n_layer]
+        if bad:
+            raise ValueError(f"sketch_layers: the model has layers 0–{self.info.n_layer - 1}, not {bad}")
+        windowed = [x for x in layers if self.info.layer_windows[x]]
+        if windowed:
+            full = ",".join(str(il) for il, w in enumerate(self.info.layer_windows) if w == 0) or "none"
+            raise ValueError(f"sketch_layers: layers {','.join(map(str, windowed))} of this model attend through a "
+                             f"{self.info.layer_windows[windowed[0]]}-token sliding window and never see an evicted "
+                             f"message; choose among its full-attention layers ({full}) or use \"auto\"")
+        self.sketch = None
+        self._held = None
+        self._sketch_spec = (tuple(layers), bits, window)
+        self.ctx.set_attn_queries(layers if layers and self.readout[0] else None, max(1, window))
+
+    @property
+    def sketch_spec(self) -> tuple[tuple[int, ...], int, int]:
+        """(layers, bits, query window) of the sketch (:meth:`set_sketch`); no layers: none."""
+        return self._sketch_spec
+
+    def read_queries(self) -> patched.Queries:
+        return self.ctx.attn_queries()
+
+    def _forget_in_sketch(self) -> None:
+        """The sketch holds only cells that are gone: drop those back in the cache or past the sequence's end."""
+        if self.sketch is None or not self.sketch.n_tokens:
+            return
+        stored = self.sketch.positions
+        back = np.isin(stored, np.asarray(self.cache.positions, dtype=np.int32)) | (stored >= self.next_pos)
+        if back.any():
+            self.sketch.drop(stored[back])
+
+    @property
+    def reading(self) -> bool:
+        """Whether the last ubatch computed the readout."""
+        return self.readout[0]
+
+    def read_certificate(self) -> patched.Certificate:
+        return self.ctx.attn_certificate()
+
+    def read_importance(self) -> patched.Importance:
+        return self.ctx.attn_importance()
+
+    def truncate(self, pos: int) -> None:
+        """Forget every position ≥ ``pos`` (the newest tokens), so decoding resumes at ``pos``."""
+        if not self.ctx.seq_rm(self.SEQ, pos, -1):
+            raise llama.LlamaError(f"could not remove positions from {pos} on")
+        keep = np.asarray(self.cache.positions, dtype=np.int64) < pos
+        self.cache.keep(keep)
+        self.cache.cut(pos)
+        self.next_pos = pos
+        self._forget_in_sketch()
+        if self._held is not None:
+            self._held = self._held.split(self._held.positions[self._held.positions >= pos])[1]
+        self._reinserted = self._reinserted[self._reinserted < pos]
+
+    def reset(self) -> None:
+        """Empty the KV cache (a new conversation, or a full re-prefill)."""
+        self.ctx.clear()
+        self.cache.clear()
+        self.next_pos = 0
+        self._held = None
+        self._reinserted = np.empty(0, np.int64)
+        self.rounds = 0
+        if self.sketch is not None:
+            self.sketch.clear()
+
+    # -- prefill ---------------------------------------------------------------------------
+    def feed(self, tokens: list[int], segment: int, logits_last: bool = True,
+             cancel: threading.Event | None = None, progress: Callable[[int], None] | None = None) -> float:
+        """Decode ``tokens`` at the next positions (teacher-forced); returns milliseconds. ``cancel`` is
+        checked before each batch (``InterruptedError``); ``progress(n)`` hears the tokens done after each."""
+        if not tokens:
+            return 0.0
+        if len(tokens) > self.free_cells():
+            raise llama.KVCacheFull(
+                f"{len(tokens)} tokens do not fit in the {self.free_cells()} free KV cells (n_ctx={self.n_ctx})", 1)
+        start = time.perf_counter()
+        n_batch = self.settings.n_batch
+        # The remainder goes first so that the last ubatch is a full one: the in-graph
+        # certificate and importance report the last rows of the last ubatch only.
+        first = len(tokens) % n_batch or n_batch
+        bounds = [0, *range(first, len(tokens), n_batch)]
+        # After a truncation the newest live cell may sit below next_pos - 1 (its successors were evicted, e.g. a
+        # question taken out for a targeted re-read): llama.cpp then needs leave to continue past the gap.
+        gap = bool(self.cache.positions) and self.cache.positions[-1] != self.next_pos - 1
+        if gap:
+            self.ctx.set_reinsert(True)
+        try:
+            for offset, end in zip(bounds, [*bounds[1:], len(tokens)]):
+                if cancel is not None and cancel.is_set():
+                    raise InterruptedError("prefill cancelled")
+                chunk = tokens[offset:end]
+                last_chunk = end >= len(tokens)
+                positions = list(range(self.next_pos, self.next_pos + len(chunk)))
+                self.batch.set(chunk, positions, self.SEQ, logits="last" if (logits_last and last_chunk) else "none")
+                self.ctx.decode(self.batch)
+                self.cache.append(chunk, self.next_pos, segment)
+                self.next_pos += len(chunk)
+                if progress is not None:
+                    progress(end)
+        finally:
+            if gap:
+                self.ctx.set_reinsert(False)
+        return (time.perf_counter() - start) * 1000.0
+
+    def evicted_runs(self, segment: int) -> list[tuple[int, int]]:
+        """The [p0, p1) runs of message ``segment``'s positions that are no longer in the cache."""
+        span = self.cache.spans.get(segment)
+        if span is None:
+            return []
+        live = np.asarray(self.cache.positions, dtype=np.int64)
+        live = live[(live >= span[0]) & (live < span[1])]
+        gone = np.setdiff1d(np.arange(span[0], span[1], dtype=np.int64), live, assume_unique=True)
+        return _runs(gone)
+
+    def reinsert(self, tokens: list[int], start: int, segment: int, cancel: threading.Event | None = None,
+                 progress: Callable[[int], None] | None = None) -> float:
+        """Decode ``tokens`` back at their old positions [start, start + n), evicted positions below the
+        sequence's end (patch 0005): each sees the cells before it, biases included, and every later position
+        sees it. They come back unbiased (π = 1) and leave the sketch, which keeps their rows for their next
+        eviction (:attr:`_held`). Returns milliseconds; ``cancel`` and
+        ``progress`` as for :meth:`feed`."""
+        n = len(tokens)
+        if n == 0:
+            return 0.0
+        live = np.asarray(self.cache.positions, dtype=np.int64)
+        if start < 0 or start + n > self.next_pos:
+            raise ValueError(f"positions [{start}, {start + n}) are not below the sequence's end {self.next_pos}")
+        if np.any((live >= start) & (live < start + n)):
+            raise ValueError(f"positions [{start}, {start + n}) are partly still in the cache")
+        if n > self.free_cells():
+            raise llama.KVCacheFull(f"{n} tokens do not fit in the {self.free_cells()} free KV cells", 1)
+        begin = time.perf_counter()
+        n_batch = self.settings.n_batch
+        self.ctx.set_reinsert(True)
+        try:
+            for offset in range(0, n, n_batch):
+                if cancel is not None and cancel.is_set():
+                    raise InterruptedError("re-read cancelled")
+                chunk = tokens[offset:offset + n_batch]
+                pos0 = start + offset
+                self.batch.set(chunk, list(range(pos0, pos0 + len(chunk))), self.SEQ, logits="none")
+                self.ctx.decode(self.batch)
+                self.cache.insert(chunk, pos0, segment)
+                if progress is not None:
+                    progress(offset + len(chunk))
+        finally:
+            self.ctx.set_reinsert(False)
+            live = np.asarray(self.cache.positions, dtype=np.int64)
+            back = live[(live >= start) & (live < start + n)]
+            self._reinserted = np.union1d(self._reinserted, back)
+            if self.sketch is not None and self.sketch.n_tokens:
+                self._held = SketchRows.join(self._held, self.sketch.take(back))
+        return (time.perf_counter() - begin) * 1000.0
+
+    def evict_reinserted(self) -> None:
+        """Evict again every cell :meth:`reinsert` put back, their sketch rows returning as first evicted.
+
+        Re-inserted cells are decoded over the evicted cache, not over the context their message first had; kept
+        on, they drew later questions' attention out of all proportion (layer 11 of qwen paid a re-read message
+        10–200× its baseline) and fired the gate on most later turns of a long chat (docs/results/NOTES.md)."""
+        if not len(self._reinserted):
+            return
+        back = np.isin(np.asarray(self.cache.positions, dtype=np.int64), self._reinserted)
+        if back.any():
+            self.evict(~back)
+
+    # -- decode ----------------------------------------------------------------------------
+    def generate(
+        self,
+        sampler: llama.Sampler,
+        max_tokens: int,
+        segment: int,
+        cancel: threading.Event | None = None,
+        on_text: Callable[[str], None] | None = None,
+        step_hook: Callable[[int], bool] | None = None,
+    ) -> Generation:
+        """Sample until end-of-generation, ``max_tokens``, cancel, or ``step_hook`` returning False.
+
+        Every sampled token except the end-of-generation one is fed back, so the cache
+        holds exactly the answer's tokens when this returns.
+        """
+        self._decoder.reset()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        pieces: list[str] = []
+        stop = "max_tokens"
+        start = time.perf_counter()
+        for step in range(max_tokens):
+            if cancel is not None and cancel.is_set():
+                stop = "cancelled"
+                break
+            logits = self.ctx.logits(-1, copy=False)  # read before the next decode overwrites it
+            token = sampler.sample(self.ctx, -1, logits)
+            logprobs.append(_log_softmax_at(logits, token))
+            if self.model.is_eog(token):
+                stop = "eog"
+                break
+            if self.free_cells() < 1:
+                stop = "max_tokens"
+                break
+            tokens.append(token)
+            piece = self._decoder.decode(self.model.token_to_piece(token))
+            if piece:
+                pieces.append(piece)
+                if on_text is not None:
+                    on_text(piece)
+            self.batch.set([token], [self.next_pos], self.SEQ, logits="last")
+            self.ctx.decode(self.batch)
+            self.cache.append([token], self.next_pos, segment)
+            self.next_pos += 1
+            if step_hook is not None and not step_hook(step):
+                stop = "hook"
+                break
+        tail = self._decoder.decode(b"", final=True)
+        if tail:
+            pieces.append(tail)
+            if on_text is not None:
+                on_text(tail)
+        return Generation(tokens=tokens, text="".join(pieces), stop=stop,
+                          decode_ms=(time.perf_counter() - start) * 1000.0, logprobs=logprobs)
+
+
+def holds_logged_tokens(positions: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                        segments: Sequence[int] | np.ndarray, index: int, first: int, logged: Sequence[int]) -> bool:
+    """Whether the live cells of message ``index`` (a mirror's positions, tokens and segments: the engine's, or a
+    snapshot's) hold the log's tokens ``logged`` at their offsets from ``first``, where the message was fed."""
+    segs = np.asarray(segments, dtype=np.int64)
+    where = np.flatnonzero(segs == index)
+    if not len(where):
+        return True
+    pos = np.asarray(positions, dtype=np.int64)[where] - first
+    live = np.asarray(tokens, dtype=np.int64)[where]
+    expected = np.asarray([int(t) for t in logged], dtype=np.int64)
+    return bool(pos.min() >= 0 and pos.max() < len(expected) and np.array_equal(expected[pos], live))
+
+
+def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted positions → [p0, p1) runs, so eviction costs one seq_rm per run."""
+    if len(positions) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1)
+    starts = np.concatenate(([positions[0]], positions[breaks + 1]))
+    ends = np.concatenate((positions[breaks], [positions[-1]])) + 1
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def _log_softmax_at(logits: np.ndarray, index: int) -> float:
+    top = float(np.max(logits))
+    return float(logits[index] - top - np.log(np.sum(np.exp(logits - top))))
