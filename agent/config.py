@@ -7,6 +7,7 @@ README); an invalid value raises :class:`ConfigError` whose one-line message nam
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import tomllib
@@ -51,11 +52,11 @@ class Config:
     budget: str = "10%"
     """KV budget: a token count ("1024") or a share of the history ("10%")."""
     gate: str = "auto"
-    """Gate threshold τ on the turn's statistic, "off" to disable, or "auto" for the calibrated default (which
-    follows the conversation: its calibrated τ, raised to a multiple of the median of the recent turn statistics
-    when the conversation's turns read higher — agent/gate/gate_calibration.json). A number is a fixed τ. "auto" on a model
-    the calibration was not fitted on (known by its GGUF's sha256) keeps the full cache and says so: its gate would
-    not fire, and eviction would forget silently; a number or "off" evicts on any model."""
+    """Gate threshold τ on the turn's statistic, "off" to disable, or "auto" for the calibrated default (which follows
+    the conversation: its calibrated τ, raised to a multiple of the median of the recent turn statistics when the
+    conversation's turns read higher — agent/gate/gate_calibration.json). A number is a fixed τ. "auto" on a model the
+    calibration was not fitted on (known by its GGUF's sha256) keeps the full cache and says so: its gate would not
+    fire, and eviction would forget silently; a number or "off" evicts on any model."""
     seed: int = 0
     """Seed for sampling and for the Poisson draws (runs are replayable)."""
     temperature: float = 0.0
@@ -75,10 +76,10 @@ class Config:
     sinks: int = 4
     """Attention-sink tokens at the start that are never evicted."""
     recent: int = 32
-    """Most recent tokens that are never evicted (the current message is always kept too). The window gives way
-    when the budget is small: it takes at most half of the budget beyond the sinks and the message, leaving the rest
-    to sampling, so the certificate has something to measure; when fewer than two pages of the evicted history survive as
-    samples (e.g. the sinks and the message alone fill the budget), the turn is uncertified and the gate fires."""
+    """Most recent tokens that are never evicted (the current message is always kept too). The window gives way when the
+    budget is small: it takes at most half of the budget beyond the sinks and the message, leaving the rest to sampling,
+    so the certificate has something to measure; when fewer than two pages of the evicted history survive as samples
+    (e.g. the sinks and the message alone fill the budget), the turn is uncertified and the gate fires."""
     page_size: int = 8
     """Sampling unit: pages of this many contiguous tokens (never straddling a message); 1 = single tokens."""
     top_share: float = 0.5
@@ -105,9 +106,10 @@ class Config:
     """Last prompt tokens over which the question-window certificate is computed (with evict_at "question",
     prefilled after the eviction)."""
     gate_stat: str = "auto"
-    """Turn statistic the gate compares with τ: "auto" (the one the calibration chose, agent/gate/gate_calibration.json),
-    question.max (maximum over the question window's rows × layers × heads of the relative certificate),
-    question.q (their 95th percentile) or any key of the turn detail, e.g. answer.step_max_q (running maximum)."""
+    """Turn statistic the gate compares with τ: "auto" (the one the calibration chose,
+    agent/gate/gate_calibration.json), question.max (maximum over the question window's rows × layers × heads of the
+    relative certificate), question.q (their 95th percentile) or any key of the turn detail, e.g. answer.step_max_q
+    (running maximum)."""
     reread_copy: bool = False
     """Keep the cache a gate's re-read leaves (the full history, in host memory: about 12 KB per token for
     qwen2.5-coder-0.5b) so the next firing restores it and prefills only the messages logged since. The log
@@ -146,6 +148,22 @@ class Config:
     keys: dict[str, str] = field(default_factory=dict)
     """Key binding overrides for the chat UI: binding id → key (e.g. {"new_chat" = "ctrl+n"})."""
 
+    # The settings below are parsed once per Config (a Config is replaced, never changed, once built).
+    @functools.cached_property
+    def kv_budget(self) -> Budget:
+        """``budget`` parsed."""
+        return Budget.parse(self.budget)
+
+    @functools.cached_property
+    def gate_threshold(self) -> GateThreshold:
+        """``gate`` parsed."""
+        return GateThreshold.parse(self.gate)
+
+    @functools.cached_property
+    def sketch_layer_choice(self) -> tuple[int, ...] | None:
+        """``sketch_layers`` parsed: the layers, or None for the calibrated ones."""
+        return sketch_layers(self.sketch_layers)
+
     def replace(self, **changes: Any) -> "Config":
         """A copy with some fields changed and validated (flags override the file this way)."""
         merged = dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -167,8 +185,8 @@ class Config:
             raise ConfigError(f"gpu_layers: must be 0 or more, got {self.gpu_layers}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        parse_budget(self.budget)
-        parse_gate(self.gate)
+        Budget.parse(self.budget)
+        GateThreshold.parse(self.gate)
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be 0 or more, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -219,21 +237,77 @@ class Config:
                               f"got {self.gate_stat!r}")
 
 
-def parse_budget(value: str) -> tuple[str, float]:
-    """("share", 0.1) for "10%", ("tokens", 1024) for "1024"; ConfigError otherwise."""
-    text = str(value).strip()
-    try:
-        if text.endswith("%"):
-            share = float(text[:-1]) / 100
-            if not 0 < share <= 1:
+@dataclass(frozen=True)
+class Budget:
+    """A KV budget, parsed once from what the user typed: a share of the history ("10%") or a token count
+    ("1024"). Equal budgets are equal however they were written ("10%", " 10.0 %"), which is how calibration
+    records are looked up."""
+
+    share: float | None = None
+    tokens: int | None = None
+
+    @classmethod
+    def parse(cls, value: str | Budget) -> Budget:
+        """The budget ``value`` names; ConfigError otherwise."""
+        if isinstance(value, Budget):
+            return value
+        text = str(value).strip()
+        try:
+            if text.endswith("%"):
+                share = float(text[:-1]) / 100
+                if not 0 < share <= 1:
+                    raise ValueError
+                return cls(share=share)
+            tokens = int(text)
+            if tokens < 1:
                 raise ValueError
-            return "share", share
-        tokens = int(text)
-        if tokens < 1:
-            raise ValueError
-        return "tokens", float(tokens)
-    except ValueError:
-        raise ConfigError(f"budget: expected a token count like 1024 or a share like 10%, got {value!r}") from None
+            return cls(tokens=tokens)
+        except ValueError:
+            raise ConfigError(f"budget: expected a token count like 1024 or a share like 10%, got {value!r}") from None
+
+    def cells(self, history: int) -> int:
+        """Cells this budget allows for a history of ``history`` positions (before the protected minimum)."""
+        if self.tokens is not None:
+            return self.tokens
+        assert self.share is not None
+        return int(round(self.share * max(history, 1)))
+
+    def __str__(self) -> str:
+        return str(self.tokens) if self.tokens is not None else f"{(self.share or 0) * 100:g}%"
+
+
+@dataclass(frozen=True)
+class GateThreshold:
+    """The gate's setting, parsed once: ``auto`` (the calibrated τ, which follows the conversation), off (``tau``
+    None, never fires), or a fixed τ ≥ 0."""
+
+    auto: bool = False
+    tau: float | None = None
+
+    @classmethod
+    def parse(cls, value: str | float | GateThreshold) -> GateThreshold:
+        """The setting ``value`` names ("auto", "off" or a number); ConfigError otherwise."""
+        if isinstance(value, GateThreshold):
+            return value
+        text = str(value).strip().lower()
+        if text == "off":
+            return cls()
+        if text == "auto":
+            return cls(auto=True)
+        try:
+            tau = float(text)
+        except ValueError:
+            raise ConfigError(f"gate: expected a threshold like 0.3, 'auto' or 'off', got {value!r}") from None
+        if not math.isfinite(tau):
+            raise ConfigError(f"gate: threshold must be a finite number (or 'off' to disable the gate), "
+                              f"got {value!r}")
+        if tau < 0:
+            raise ConfigError(f"gate: threshold must be 0 or more, got {value!r}")
+        return cls(tau=tau)
+
+    @property
+    def off(self) -> bool:
+        return not self.auto and self.tau is None
 
 
 def sketch_layers(value: str) -> tuple[int, ...] | None:
@@ -249,24 +323,6 @@ def sketch_layers(value: str) -> tuple[int, ...] | None:
     if any(x < 0 for x in layers) or len(set(layers)) != len(layers):
         raise ConfigError(f"sketch_layers: each layer once, 0 or more, got {value!r}")
     return tuple(sorted(layers))
-
-
-def parse_gate(value: str | float) -> float | None | str:
-    """A threshold (float ≥ 0), None for "off", or "auto"."""
-    text = str(value).strip().lower()
-    if text == "off":
-        return None
-    if text == "auto":
-        return "auto"
-    try:
-        tau = float(text)
-    except ValueError:
-        raise ConfigError(f"gate: expected a threshold like 0.3, 'auto' or 'off', got {value!r}") from None
-    if not math.isfinite(tau):
-        raise ConfigError(f"gate: threshold must be a finite number (or 'off' to disable the gate), got {value!r}")
-    if tau < 0:
-        raise ConfigError(f"gate: threshold must be 0 or more, got {value!r}")
-    return tau
 
 
 def _coerce(name: str, kind: Any, value: Any) -> Any:

@@ -1,13 +1,34 @@
-"""Messages the agent emits during a turn; the UI and the CLI render them.
+"""Messages the agent emits during a turn; the UI and the CLI render them. And the hooks observers subscribe to.
 
 The UI never reaches into the engine: everything it shows (streamed text, gate events,
-the memory view) arrives as one of these immutable records.
+the memory view) arrives as one of these immutable records. Studies and benchmarks that need to see more
+(what the engine fed, what an eviction drew, when the gate read a question) subscribe to a component's
+:class:`Hook` instead of replacing its methods.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Generic, ParamSpec, Union
+
+P = ParamSpec("P")
+
+
+class Hook(Generic[P]):
+    """One point of a component's work that observers may hear about; calling it calls each subscriber in turn.
+    The component's own behaviour never depends on its subscribers."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[Callable[P, None]] = []
+
+    def subscribe(self, observer: Callable[P, None]) -> Callable[[], None]:
+        """Call ``observer`` from now on; returns the call that stops it."""
+        self._subscribers.append(observer)
+        return lambda: self._subscribers.remove(observer)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> None:
+        for observer in list(self._subscribers):
+            observer(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -219,8 +240,8 @@ class TurnResult:
     """Ids of the logged messages the re-read brought back."""
     timings: dict[str, float] = field(default_factory=dict)
     """Milliseconds by phase besides prefill and decode: evict (design, seq_rm, biases, compaction, its log
-    record), certificate (reading the certificate and the attention from the graph, statistics), store (log writes on the
-    turn's path), reprefill (a gated re-read of the history), closing (feeding the end-of-turn tokens)."""
+    record), certificate (reading the certificate and the attention from the graph, statistics), store (log writes on
+    the turn's path), reprefill (a gated re-read of the history), closing (feeding the end-of-turn tokens)."""
 
     def as_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -45,7 +45,7 @@ def _cascade(table: str, column: str, other: str) -> ForeignKey:
 def m001_conversations_messages(db: sqlite_utils.Database) -> None:
     """Conversations and their messages, with the exact token ids the model saw."""
     db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    db["conversations"].create(
+    db.table("conversations").create(
         {
             "id": int,
             "title": str,
@@ -58,8 +58,8 @@ def m001_conversations_messages(db: sqlite_utils.Database) -> None:
         not_null=["title", "settings", "created_at", "updated_at"],
         defaults={"title": "", "settings": "{}"},
     )
-    db["conversations"].create_index(["updated_at"])
-    db["messages"].create(
+    db.table("conversations").create_index(["updated_at"])
+    db.table("messages").create(
         {
             "id": int,
             "conversation_id": int,
@@ -78,19 +78,19 @@ def m001_conversations_messages(db: sqlite_utils.Database) -> None:
         not_null=["conversation_id", "idx", "role", "content", "status", "meta", "created_at", "updated_at"],
         defaults={"content": "", "status": "complete", "meta": "{}"},
     )
-    db["messages"].create_index(["conversation_id", "idx"], unique=True)
+    db.table("messages").create_index(["conversation_id", "idx"], unique=True)
 
 
 @migration
 def m002_messages_fts(db: sqlite_utils.Database) -> None:
     """Full-text search over message content, kept current by triggers."""
-    db["messages"].enable_fts(["content"], create_triggers=True)
+    db.table("messages").enable_fts(["content"], create_triggers=True)
 
 
 @migration
 def m003_turns_eviction_rounds(db: sqlite_utils.Database) -> None:
     """Per-answer measurements and per-round eviction records."""
-    db["turns"].create(
+    db.table("turns").create(
         {
             "id": int,
             "conversation_id": int,
@@ -122,9 +122,9 @@ def m003_turns_eviction_rounds(db: sqlite_utils.Database) -> None:
         not_null=["conversation_id", "cert_stats", "cert_layers", "gate_fired", "extra", "created_at"],
         defaults={"cert_stats": "{}", "cert_layers": "[]", "gate_fired": 0, "extra": "{}"},
     )
-    db["turns"].create_index(["conversation_id"])
-    db["turns"].create_index(["message_id"])
-    db["eviction_rounds"].create(
+    db.table("turns").create_index(["conversation_id"])
+    db.table("turns").create_index(["message_id"])
+    db.table("eviction_rounds").create(
         {
             "id": int,
             "conversation_id": int,
@@ -145,14 +145,14 @@ def m003_turns_eviction_rounds(db: sqlite_utils.Database) -> None:
         ],
         not_null=["conversation_id", "round", "created_at"],
     )
-    db["eviction_rounds"].create_index(["conversation_id", "round"], unique=True)
-    db["eviction_rounds"].create_index(["message_id"])
+    db.table("eviction_rounds").create_index(["conversation_id", "round"], unique=True)
+    db.table("eviction_rounds").create_index(["message_id"])
 
 
 @migration
 def m004_message_writer_lease(db: sqlite_utils.Database) -> None:
     """Who is streaming a partial message, so a dead writer's answer can be marked interrupted."""
-    messages = db["messages"]
+    messages = db.table("messages")
     messages.add_column("writer_pid", int)
     messages.add_column("writer_host", str)
     messages.add_column("writer_token", str)  # boot id + process start time, where known
@@ -163,7 +163,7 @@ def m004_message_writer_lease(db: sqlite_utils.Database) -> None:
 @migration
 def m005_conversation_writers(db: sqlite_utils.Database) -> None:
     """Which process may append to a conversation, so two sessions never interleave their turns."""
-    db["conversation_writers"].create(
+    db.table("conversation_writers").create(
         {
             "conversation_id": int,
             "writer_pid": int,
@@ -224,14 +224,14 @@ def migrate(db: sqlite_utils.Database, *, stop_after: str | None = None) -> list
     """
     if stop_after is not None and stop_after not in known_names():
         raise ValueError(f"unknown migration {stop_after!r}")
-    db[MIGRATIONS_TABLE].create({"name": str, "applied_at": str}, pk="name", if_not_exists=True)
+    db.table(MIGRATIONS_TABLE).create({"name": str, "applied_at": str}, pk="name", if_not_exists=True)
     done = set(applied_names(db.conn))
     applied: list[str] = []
     for fn in MIGRATIONS:
         name = fn.__name__
         if name not in done:
             fn(db)
-            db[MIGRATIONS_TABLE].insert({"name": name, "applied_at": _now()})
+            db.table(MIGRATIONS_TABLE).insert({"name": name, "applied_at": _now()})
             applied.append(name)
         if name == stop_after:
             break

@@ -758,7 +758,7 @@ class Store:
         }
         with self._write():
             self._require_conversation(turn.conversation_id)
-            tid = self._db["turns"].insert(row).last_pk
+            tid = self._db.table("turns").insert(row).last_pk
         return self._turn_from_row(self._read_dicts("SELECT * FROM turns WHERE id = ?", (tid,))[0])
 
     def turns(self, conversation_id: int) -> list[Turn]:
@@ -788,7 +788,7 @@ class Store:
         }
         with self._write():
             self._require_conversation(round_.conversation_id)
-            rid = self._db["eviction_rounds"].insert(row).last_pk
+            rid = self._db.table("eviction_rounds").insert(row).last_pk
         row = self._read_dicts("SELECT * FROM eviction_rounds WHERE id = ?", (rid,))[0]
         return EvictionRound(**_known_fields(EvictionRound, row))
 

@@ -20,7 +20,7 @@ import weakref
 from array import array
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -29,8 +29,18 @@ from memory_store.errors import StoreError, StreamLostError
 from memory_store.records import Message
 from memory_store.tokens import as_token_array
 
-if TYPE_CHECKING:
-    from memory_store.store import Store
+
+class StreamHost(Protocol):
+    """What a stream needs of the store that opened it (``memory_store.store.Store``)."""
+
+    key: str
+    _streams: dict[int, AssistantStream]
+
+    def _side_connection(self) -> sqlite3.Connection: ...
+
+    def _stream_writer(self, conn: sqlite3.Connection | None) -> Callable[..., None]: ...
+
+    def get_message(self, message_id: int) -> Message: ...
 
 _INT32_MAX = 2**31 - 1
 
@@ -67,7 +77,7 @@ class AssistantStream:
 
     def __init__(
         self,
-        store: Store,
+        store: StreamHost,
         message: Message,
         *,
         commit_interval: float,

@@ -169,7 +169,8 @@ def set_bias_pos(mem: Any, seq_id: int, positions: ArrayLike, biases: ArrayLike)
         raise ValueError("a bias is NaN")
     return _check(
         "set_bias_pos",
-        lib().llama_memory_seq_set_bias_pos(mem, seq_id, pos.ctypes.data_as(_pi32), val.ctypes.data_as(_pf32), len(pos)),
+        lib().llama_memory_seq_set_bias_pos(mem, seq_id, pos.ctypes.data_as(_pi32), val.ctypes.data_as(_pf32),
+                                            len(pos)),
     )
 
 
@@ -179,7 +180,8 @@ def get_bias(mem: Any, seq_id: int) -> tuple[NDArray[np.int32], NDArray[np.float
     n = _check("get_bias", raw.llama_memory_seq_get_bias(mem, seq_id, None, None, 0))
     pos = np.empty(n, dtype=np.int32)
     val = np.empty(n, dtype=np.float32)
-    m = _check("get_bias", raw.llama_memory_seq_get_bias(mem, seq_id, pos.ctypes.data_as(_pi32), val.ctypes.data_as(_pf32), n))
+    m = _check("get_bias", raw.llama_memory_seq_get_bias(mem, seq_id, pos.ctypes.data_as(_pi32),
+                                                         val.ctypes.data_as(_pf32), n))
     if m != n:
         raise PatchError("get_bias", int(Status.ERR_CAPACITY), f"the sequence changed size ({n} -> {m}) while reading")
     return pos, val
@@ -244,7 +246,7 @@ class Certificate:
     def relative(self) -> NDArray[np.float32]:
         """sqrt(V_hat) / |o|: the scale-free certificate (times z_(1-delta) for a bound)."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.sqrt(self.v_hat) / np.sqrt(self.o_norm2)
+            return (np.sqrt(self.v_hat) / np.sqrt(self.o_norm2)).astype(np.float32, copy=False)
 
 
 @dataclass(frozen=True)
@@ -375,6 +377,7 @@ def get_attn_queries(ctx: Any) -> Queries:
     scale = np.empty(n_layers, dtype=np.float32)
     q = np.empty((n_layers, n_rows, n_head, head_dim), dtype=np.float32)
     lse = np.empty((n_layers, n_rows, n_head), dtype=np.float32)
-    _check("get_attn_queries", raw.llama_get_attn_queries(ctx, layers.ctypes.data_as(_pi32), scale.ctypes.data_as(_pf32),
-                                                          q.ctypes.data_as(_pf32), lse.ctypes.data_as(_pf32), q.size))
+    _check("get_attn_queries", raw.llama_get_attn_queries(ctx, layers.ctypes.data_as(_pi32),
+                                                          scale.ctypes.data_as(_pf32), q.ctypes.data_as(_pf32),
+                                                          lse.ctypes.data_as(_pf32), q.size))
     return Queries(layers=layers, kq_scale=scale, q=q, lse=lse)

@@ -114,7 +114,8 @@ def channel_scales_layers(keys: NDArray[np.float32]) -> NDArray[np.float32]:
 
 def quantize(keys: ArrayLike, n_kv_head: int, bits: int,
              channel_scale: ArrayLike | None = None) -> tuple[NDArray[np.uint8], NDArray[np.uint16]]:
-    """Rows [n, n_kv_head * head_dim] (F32, NaN rows = absent) -> (codes [n, code bytes], half scale bits [n, n_kv_head]).
+    """Rows [n, n_kv_head * head_dim] (F32, NaN rows = absent) -> (codes [n, code bytes], half scale bits
+    [n, n_kv_head]).
 
     With ``channel_scale`` [width] the rows quantised are k / channel_scale (pass the same to dequantize/score).
     """
@@ -137,7 +138,8 @@ def dequantize(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n_kv_head: 
     s = np.ascontiguousarray(scales, dtype=np.uint16)
     ch = _channel(channel_scale, n_kv_head * head_dim)
     out = np.empty((c.shape[0], n_kv_head * head_dim), dtype=np.float32)
-    _check(_lib().certchat_sketch_dequantize(c.shape[0], n_kv_head, head_dim, bits, None if ch is None else ch.ctypes.data,
+    _check(_lib().certchat_sketch_dequantize(c.shape[0], n_kv_head, head_dim, bits,
+                                             None if ch is None else ch.ctypes.data,
                                              c.ctypes.data, s.ctypes.data, out.ctypes.data))
     return out
 
@@ -150,10 +152,11 @@ def score_layer(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n_kv_head:
     qq = np.asarray(q, dtype=np.float32)
     ll = np.asarray(lse, dtype=np.float32)
     if qq.ndim != 3 or qq.shape[2] != head_dim or ll.shape != qq.shape[:2]:
-        raise SketchError(f"q must be [n_rows, n_head, {head_dim}] and lse [n_rows, n_head], got {qq.shape}, {ll.shape}")
+        raise SketchError(f"q must be [n_rows, n_head, {head_dim}] and lse [n_rows, n_head], "
+                          f"got {qq.shape}, {ll.shape}")
     c = np.ascontiguousarray(codes, dtype=np.uint8)
-    return score_layers(c[None], np.ascontiguousarray(scales, dtype=np.uint16)[None], c.shape[0], n_kv_head, head_dim, bits,
-                        qq[None], ll[None], np.asarray([kq_scale], np.float32), renormalise,
+    return score_layers(c[None], np.ascontiguousarray(scales, dtype=np.uint16)[None], c.shape[0], n_kv_head, head_dim,
+                        bits, qq[None], ll[None], np.asarray([kq_scale], np.float32), renormalise,
                         None if ch is None else ch[None], threads)[0]
 
 
@@ -178,7 +181,8 @@ def score_layers(codes: NDArray[np.uint8], scales: NDArray[np.uint16], n: int, n
             or scales.shape[2] != n_kv_head or codes.shape[1] < n or not codes.flags.c_contiguous
             or not scales.flags.c_contiguous):
         raise SketchError(f"codes and scales must be C-contiguous uint8 [{n_layers}, ≥{n}, {cb}] and uint16 "
-                          f"[{n_layers}, ≥{n}, {n_kv_head}], got {codes.dtype} {codes.shape}, {scales.dtype} {scales.shape}")
+                          f"[{n_layers}, ≥{n}, {n_kv_head}], got {codes.dtype} {codes.shape}, "
+                          f"{scales.dtype} {scales.shape}")
     ch = None
     if channel_scale is not None:
         ch = np.ascontiguousarray(channel_scale, dtype=np.float32)
@@ -222,14 +226,15 @@ def reference_quantize(keys: ArrayLike, n_kv_head: int, bits: int,
 
 def reference_score(keys: ArrayLike, q: ArrayLike, lse: ArrayLike, kq_scale: float,
                     renormalise: bool = False) -> NDArray[np.float64]:
-    """float64 scoring of one layer: keys [n, n_kv_head * head_dim], q [n_rows, n_head, d], lse [n_rows, n_head] -> [n_head, n]."""
+    """float64 scoring of one layer: keys [n, n_kv_head * head_dim], q [n_rows, n_head, d], lse [n_rows, n_head]
+    -> [n_head, n]."""
     qq = np.asarray(q, dtype=np.float64)
     n_rows, n_head, d = qq.shape
     k = np.asarray(keys, dtype=np.float64)
     n = k.shape[0]
     n_kv_head = k.shape[1] // d
     kh = k.reshape(n, n_kv_head, d)
-    present = ~np.isnan(k).any(axis=1)
+    present = np.asarray(~np.isnan(k).any(axis=1))
     kh = np.where(present[:, None, None], kh, 0.0)
     ll = np.asarray(lse, dtype=np.float64)
     out = np.zeros((n_head, n))
@@ -272,7 +277,7 @@ class SketchScore:
         # one bincount over (layer, message) pairs
         flat = (inverse[None, :] + m * np.arange(len(self.layers))[:, None]).ravel()
         mass = np.bincount(flat, weights=pp.ravel(), minlength=m * len(self.layers)).reshape(len(self.layers), m)
-        return ids.astype(np.int32), mass
+        return ids.astype(np.int32), np.asarray(mass, dtype=np.float64)
 
 
 @dataclass
@@ -412,8 +417,8 @@ class EvictedKeySketch:
         k = np.ascontiguousarray(keys, dtype=np.float32)
         width = self.n_kv_head * self.head_dim
         if msg.shape != pos.shape or k.shape != (len(self.layers), len(pos), width):
-            raise SketchError(f"append: positions {pos.shape}, messages {msg.shape} and keys {k.shape} must be [n], [n] "
-                              f"and [{len(self.layers)}, n, {width}] (layers {self.layers})")
+            raise SketchError(f"append: positions {pos.shape}, messages {msg.shape} and keys {k.shape} must be "
+                              f"[n], [n] and [{len(self.layers)}, n, {width}] (layers {self.layers})")
         if not len(pos):
             return
         if self._channel is None and self.channel_norm and self.bits < 32:
@@ -529,8 +534,8 @@ class EvictedKeySketch:
         have = {int(x): i for i, x in enumerate(np.asarray(queries.layers))}
         missing = [x for x in self.layers if x not in have]
         if missing:
-            raise SketchError(f"score: the queries lack layers {missing}; call set_attn_queries with the sketch's layers "
-                              f"{list(self.layers)}")
+            raise SketchError(f"score: the queries lack layers {missing}; call set_attn_queries with the sketch's "
+                              f"layers {list(self.layers)}")
         n = self._n
         idx = [have[x] for x in self.layers]
         q = np.asarray(queries.q)

@@ -137,7 +137,8 @@ def bench_certificate(model: llama.Model, args: argparse.Namespace) -> None:
     patched.set_attn_certificate(on.handle, True, args.window)
     ta, tb = _pairs(_Stepper(off, n), _Stepper(on, n), args.pairs, 3)
     d = patched.certificate_dims(on.handle)
-    print(f"  (certificate of the last step: {d.n_layer} layers x {d.n_head} heads x {d.n_rows} rows, n_kv {d.n_cells})")
+    print(f"  (certificate of the last step: {d.n_layer} layers x {d.n_head} heads x {d.n_rows} rows, "
+          f"n_kv {d.n_cells})")
     _report("certificate + importance off", ta, "certificate + importance on", tb)
     off.close()
     on.close()
@@ -251,7 +252,8 @@ def bench_sketch(model: llama.Model, args: argparse.Namespace) -> None:
                   f"(+{sk.overhead_bytes} B per store), append {t_add * 1e3:7.2f} ms, "
                   f"score {len(evicted)} tokens x {rows:2d} rows {t_score * 1e3:7.2f} ms")
     for lay_n, bits in ((24, 32), (24, 8), (13, 8), (13, 4), (11, 4), (5, 8)):
-        print(f"  bytes per evicted token, {lay_n:2d} layers, {bits:2d} bits: {sketch.bytes_per_token(lay_n, 2, width // 2, bits)}")
+        per_token = sketch.bytes_per_token(lay_n, 2, width // 2, bits)
+        print(f"  bytes per evicted token, {lay_n:2d} layers, {bits:2d} bits: {per_token}")
     off.close()
     on.close()
 
@@ -270,7 +272,8 @@ def main() -> int:
     ap.add_argument("--only", choices=["certificate", "compaction", "sketch"], help="run one part")
     ap.add_argument("--question", type=int, default=32, help="question tokens (sketch: query rows reported)")
     ap.add_argument("--timer", choices=["wall", "cpu"], default="wall", help="wall clock or process CPU time")
-    ap.add_argument("--state-cache", type=Path, help="keep prefilled states here and reuse them (a 16k state is ~200 MB)")
+    ap.add_argument("--state-cache", type=Path,
+                    help="keep prefilled states here and reuse them (a 16k state is ~200 MB)")
     args = ap.parse_args()
 
     global TIMER

@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from agent import models
-from agent.lab import bench
 from agent.config import Config
+from agent.lab import bench
 from agent.llm.engine import Engine, EngineSettings
 
 

@@ -20,7 +20,6 @@ from native import patched, runtime
 from native.ggml_tensor import GGML_TYPE_F16, GGML_TYPE_F32, GgmlTensor, src  # noqa: F401 (re-exported)
 from native.ggml_tensor import read as read_tensor
 
-
 _silenced: Any = None
 
 

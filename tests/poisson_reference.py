@@ -373,9 +373,9 @@ def _quantile(values: list[float], q: float) -> float:
 def window_statistics(cert, quantile=0.95) -> dict[str, float]:
     c = np.asarray(cert, dtype=np.float64)
     S, L, H = c.shape
-    layer_means = [sum(c[s, l, h] for s in range(S) for h in range(H)) / (S * H) for l in range(L)]
-    step_lmhm = [max(sum(c[s, l, h] for h in range(H)) / H for l in range(L)) for s in range(S)]
-    step_q = [_quantile([c[s, l, h] for l in range(L) for h in range(H)], quantile) for s in range(S)]
+    layer_means = [sum(c[s, ly, h] for s in range(S) for h in range(H)) / (S * H) for ly in range(L)]
+    step_lmhm = [max(sum(c[s, ly, h] for h in range(H)) / H for ly in range(L)) for s in range(S)]
+    step_q = [_quantile([c[s, ly, h] for ly in range(L) for h in range(H)], quantile) for s in range(S)]
     flat = [float(x) for x in c.reshape(-1)]
     return {
         "layer_max_head_mean": max(layer_means),

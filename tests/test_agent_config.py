@@ -46,9 +46,12 @@ def test_save_round_trips(tmp_path: Path) -> None:
 
 
 def test_budget_and_gate_parsing() -> None:
-    assert config.parse_budget("10%") == ("share", 0.1)
-    assert config.parse_budget("1024") == ("tokens", 1024.0)
-    assert config.parse_gate("off") is None and config.parse_gate("0.3") == 0.3
+    assert config.Budget.parse("10%") == config.Budget(share=0.1) == config.Budget.parse(" 10.0% ")
+    assert config.Budget.parse("1024") == config.Budget(tokens=1024)
+    assert config.Budget.parse("10%").cells(2000) == 200 and config.Budget.parse("1024").cells(50) == 1024
+    assert str(config.Budget.parse("10%")) == "10%" and str(config.Budget.parse("1024")) == "1024"
+    assert config.GateThreshold.parse("off").off and config.GateThreshold.parse("0.3").tau == 0.3
+    assert config.GateThreshold.parse("auto").auto and config.Config(gate="0.3").gate_threshold.tau == 0.3
     assert set(config.field_docs()) >= {"policy", "budget", "gate", "model"}
 
 

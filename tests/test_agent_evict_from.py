@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from agent import events as ev
-from agent.lab import bench
-from agent.config import Config, ConfigError, load
-from agent.llm.engine import Engine, EngineSettings
-from agent.lab.replay import drive, runner
 from agent.chat.session import ChatSession
+from agent.config import Config, ConfigError, load
+from agent.lab import bench
+from agent.lab.replay import drive, runner
+from agent.llm.engine import Engine, EngineSettings
 from memory_store.store import Store
 from tests.reliability_support import cli, one_line_error
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from agent import events as ev
-from agent.eviction import policies
-from agent.config import EVICT_AT, Config
-from agent.llm.engine import Engine, EngineSettings
-from agent.lab.replay import drive
 from agent.chat.session import ChatSession
+from agent.config import EVICT_AT, Config
+from agent.eviction import policies
+from agent.lab.replay import drive
+from agent.llm.engine import Engine, EngineSettings
 from memory_store.store import Store
 
 FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø in 1987."]

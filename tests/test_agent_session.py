@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from agent import events as ev
-from agent.config import Config
-from agent.llm.engine import Engine, EngineSettings
-from agent.lab.replay import drive
 from agent.chat.session import ChatSession, InputError
+from agent.config import Config
+from agent.lab.replay import drive
+from agent.llm.engine import Engine, EngineSettings
 from agent.llm.template import ChatTemplate, TemplateError
 from memory_store.store import Store
 from native import llama
@@ -26,7 +26,7 @@ def engine(small_model: Path):
 
 
 def _session(engine: Engine, tmp_path: Path, **cfg) -> ChatSession:
-    config = Config(model="smollm2-135m", n_ctx=1024, policy="full", max_tokens=24, **cfg)
+    config = Config(**{"model": "smollm2-135m", "n_ctx": 1024, "policy": "full", "max_tokens": 24, **cfg})
     return ChatSession(config, Store(tmp_path / "log.db"), engine, "smollm2-135m")
 
 
@@ -133,6 +133,23 @@ def test_forced_answer_and_independent_probe(engine: Engine, tmp_path: Path) -> 
     s2 = ChatSession(s.config, s.store, engine, "smollm2-135m", conversation_id=s.conversation_id)
     assert "What is my locker code?" not in engine.model.detokenize(engine.cache.tokens, special=True)
     assert s2.conversation_id == s.conversation_id
+
+
+def test_an_independent_probe_that_fires_the_gate_reads_its_question_and_rounds_go_on(engine: Engine,
+                                                                                     tmp_path: Path) -> None:
+    """An independent probe is logged discarded from the start, yet a full re-read it fires brings its question
+    back with the history; the rounds it evicted stay logged, and the turns after it evict under new numbers."""
+    s = _session(engine, tmp_path, policy="poisson", budget="64", evict_from=0, gate="0", gate_stat="question.max")
+    for i in range(3):
+        drive.forced(s, f"Note {i}: the locker code is 41{i}7 and the boat is called Purrnickel.", "Noted.")
+    rounds_before = [r.round for r in s.store.eviction_rounds(s.conversation_id)]
+    probe = drive.independent(s, "What is the locker code in note 1?")
+    question = [m for m in s.store.messages(s.conversation_id) if m.role == "user"][-1]
+    assert question.meta.get("discarded") and probe.gate_fired
+    assert probe.reread_path == "full" and question.id in probe.reread_messages
+    drive.forced(s, "One more note: the kettle is blue.", "Noted.")
+    rounds = [r.round for r in s.store.eviction_rounds(s.conversation_id)]
+    assert len(rounds) > len(rounds_before) and len(set(rounds)) == len(rounds) and rounds == sorted(rounds)
 
 
 def test_cancel_during_prefill_rolls_the_cache_back_and_keeps_the_message(engine: Engine, tmp_path: Path) -> None:

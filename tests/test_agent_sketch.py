@@ -10,12 +10,12 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from agent.gate import calibration
+from agent.chat.session import ChatSession
 from agent.config import EVICT_AT, Config, ConfigError
-from agent.llm.engine import Engine, EngineSettings
+from agent.gate import calibration
 from agent.gate.decision import SHARE_FLOOR, recorded_ratios
 from agent.lab.replay import drive
-from agent.chat.session import ChatSession
+from agent.llm.engine import Engine, EngineSettings
 from memory_store.store import Store
 
 FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø in 1987."]

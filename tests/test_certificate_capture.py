@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from script_support import code_number_script
 
 from agent.config import Config
 from agent.lab.replay import batch, capture, script
-from script_support import code_number_script
 
 
 def _script(tmp_path: Path) -> Path:

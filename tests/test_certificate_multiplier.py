@@ -9,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.gate import calibration
-from agent.gate import certificate
-from agent.lab.fits import certificate_multiplier
-from agent.gate.certificate import CertificateForm, Component
 from agent.config import Config
+from agent.gate import calibration, certificate
+from agent.gate.certificate import CertificateForm, Component
 from agent.gate.decision import Gate
+from agent.lab.fits import certificate_multiplier
 
 
 def test_conformal_multiplier_is_the_right_order_statistic() -> None:

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import patch_support as ps
 import pytest
 
-import patch_support as ps
 from native import patched
+
 
 @pytest.fixture(scope="module")
 def smol(small_model: Path) -> Any:

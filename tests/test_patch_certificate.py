@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import patch_support as ps
 import pytest
 
-import patch_support as ps
 from native import patched
 
 

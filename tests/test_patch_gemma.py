@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import patch_support as ps
 import pytest
 
-import patch_support as ps
 from native import patched
 
 N_SWA = 512

@@ -13,9 +13,9 @@ import os
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import patch_support as ps
 import pytest
 
-import patch_support as ps
 from native import patched
 
 pytestmark = pytest.mark.gpu

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import patch_support as ps
 import pytest
 
-import patch_support as ps
 from native import patched, sketch
 
 GGML_TYPE_Q8_0 = 8

@@ -4,10 +4,10 @@ uniforms bit for bit, same keep sets, bookkeeping, estimator, certificates and a
 from __future__ import annotations
 
 import numpy as np
+import poisson_reference as ref
 import pytest
 
 from native import poisson as P
-import poisson_reference as ref
 
 KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),

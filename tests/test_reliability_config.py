@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from agent import paths
-from agent.config import Config, ConfigError, load, parse_gate
+from agent.config import Config, ConfigError, GateThreshold, load
 from tests.reliability_support import cli, one_line_error
 
 
@@ -59,4 +59,4 @@ def test_bad_config_file_values_are_refused_naming_the_key(toml: str, key: str) 
 
 def test_edges_that_stay_valid() -> None:
     Config().replace(seed=2**32 - 1, top_k=0, gate="0", n_ctx=512 + 16 + 64, max_tokens=512).validate()
-    assert parse_gate("off") is None and parse_gate("auto") == "auto" and parse_gate("0.25") == 0.25
+    assert GateThreshold.parse("off").off and GateThreshold.parse("auto").auto and GateThreshold.parse("0.25").tau == 0.25

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from script_support import code_number_script
 
 from agent.config import Config
 from agent.lab.replay import batch, capture, script, studies
-from script_support import code_number_script
 
 
 @pytest.mark.slow

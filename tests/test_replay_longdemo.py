@@ -13,8 +13,8 @@ from typing import Callable
 
 import pytest
 
-from agent.lab import cli_replay
 from agent.config import Config
+from agent.lab import cli_replay
 from agent.lab.replay import aggregate, longchat, longdemo
 
 HAVE_LOCOMO = bool(sorted(longchat.SHARED_LOCOMO.glob("*.json")))

@@ -12,13 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.lab import cli_replay
 from agent.config import Config
-from agent.llm.engine import Engine, EngineSettings
-from agent.lab.replay import batch, runner, script
+from agent.lab import cli_replay
+from agent.lab.replay import runner, script
 from agent.lab.replay.runner import Job, Runner
-from agent.lab.replay.replay_store import ReplayStore
-from memory_store.records import EvictionRound
+from agent.llm.engine import Engine, EngineSettings
 from memory_store.store import Store
 
 LINES = [
@@ -51,7 +49,7 @@ def tiny(tmp_path: Path) -> Path:
 
 def _runner(engine: Engine, tmp_path: Path) -> Runner:
     cfg = Config(model="smollm2-135m", n_ctx=1024, max_tokens=16, threads=1, evict_from=0)
-    return Runner(cfg, engine, "smollm2-135m", ReplayStore(tmp_path / "replay.db"))
+    return Runner(cfg, engine, "smollm2-135m", Store(tmp_path / "replay.db"))
 
 
 def test_a_script_replays_with_the_same_history_for_every_policy(engine: Engine, tmp_path: Path, tiny: Path) -> None:
@@ -228,21 +226,3 @@ def test_cli_locomo_quick_run_and_converter(tmp_path: Path, capsys: pytest.Captu
                  "--threads", "1", "--no-progress", "--no-plots", "--json", "--out", str(tmp_path / "run")]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
     assert row["n_probes"] == 2 and row["f1"] is not None and 0.0 <= row["f1"] <= 1.0
-
-
-def test_replay_store_shims_for_independent_turns(tmp_path: Path) -> None:
-    store = ReplayStore(tmp_path / "r.db")
-    conv = store.create_conversation(title="t")
-    store.record_eviction_round(EvictionRound(conversation_id=conv.id, round=0, cells_before=9, cells_after=3))
-    # an independent turn's round repeats after the restore: skipped, not an error
-    store.record_eviction_round(EvictionRound(conversation_id=conv.id, round=0, cells_before=8, cells_after=3))
-    assert [r.cells_before for r in store.eviction_rounds(conv.id)] == [9]
-    store.append_message(conv.id, "user", "earlier", tokens=[1, 2], first_pos=0)
-    store.append_message(conv.id, "assistant", "reply", tokens=[3], first_pos=2)
-    old = store.append_message(conv.id, "user", "old probe", tokens=[4], first_pos=3, meta={"discarded": True})
-    store.append_message(conv.id, "assistant", "old answer", tokens=[5], first_pos=4, meta={"discarded": True})
-    live = store.append_message(conv.id, "user", "live probe", tokens=[4], first_pos=3, meta={"discarded": True})
-    shown = {m.id: m.meta.get("discarded", False) for m in store.history(conv.id).messages}
-    # the in-flight independent question is part of the history a gate re-reads; older ones are not
-    assert shown[live.id] is False and shown[old.id] is True
-    assert Store(tmp_path / "r.db").get_message(live.id).meta["discarded"] is True  # the log is unchanged

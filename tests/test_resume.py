@@ -17,13 +17,12 @@ import numpy as np
 import pytest
 
 from agent import events as ev
-from agent.cli import main as cli
-from agent.chat import resume
-from agent.chat import saved_state
-from agent.config import Config
-from agent.llm.engine import Engine, EngineSettings
+from agent.chat import resume, saved_state
 from agent.chat.saved_state import SavedState, SavedStates, StateError
 from agent.chat.session import ChatSession
+from agent.cli import main as cli
+from agent.config import Config
+from agent.llm.engine import Engine, EngineSettings
 from memory_store.store import Store
 
 FIRST = ["My locker code is 4172. Remember it.", "I like sailing on the lake near Oslo every summer with my brother.",

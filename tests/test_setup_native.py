@@ -21,7 +21,7 @@ def test_pointer_names_a_built_library() -> None:
 
 
 def test_loaded_library_is_ours_and_patched() -> None:
-    lc = llama.lib()
+    llama.lib()  # loads it
     assert Path(runtime.llama_cdll()._name).resolve() == (runtime.built_libs().lib_dir / "libllama.so").resolve()
     # Fails on a stock llama.cpp: the marker symbol exists only in our patched build.
     assert hasattr(runtime.llama_cdll(), doctor.PATCH_MARKER), "the loaded libllama.so does not carry certchat's patch"
@@ -55,7 +55,10 @@ def test_decode_a_few_tokens_greedy(small_model: Path) -> None:
     text = model.detokenize(produced)
     assert text.strip(), "the model produced no text"
     # Free order: sampler, batch, context, then model (the context holds the model).
-    sampler.close(); batch.close(); ctx.close(); model.close()
+    sampler.close()
+    batch.close()
+    ctx.close()
+    model.close()
 
 
 def test_tokenize_round_trip(small_model: Path) -> None:

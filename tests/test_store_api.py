@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memory_store import EvictionRound, NotFoundError, Store, StoreError, StreamLostError, Turn
-from memory_store import liveness
+from memory_store import EvictionRound, NotFoundError, Store, StoreError, StreamLostError, Turn, liveness
 
 
 @pytest.fixture

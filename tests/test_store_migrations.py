@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import sqlite_utils
 
-from memory_store import ForeignDatabaseError, SchemaTooNewError, Store
+from memory_store import ForeignDatabaseError, SchemaTooNewError, Store, migrations
 from memory_store import db as dbmod
-from memory_store import migrations
 
 
 def file_state(path: Path) -> dict[str, str | None]:

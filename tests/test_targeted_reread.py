@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from agent import events as ev
-from agent.config import Config
-from agent.llm.engine import Engine, EngineSettings
-from agent.lab.replay import drive, script as scripts
 from agent.chat.session import ChatSession
+from agent.config import Config
+from agent.lab.replay import drive
+from agent.lab.replay import script as scripts
+from agent.llm.engine import Engine, EngineSettings
 from memory_store.store import Store
 from native import patched
 

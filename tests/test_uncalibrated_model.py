@@ -11,13 +11,13 @@ from typing import Callable
 
 import pytest
 
-from agent import models
-from agent.gate import calibration
-from agent.cli import doctor
 from agent import events as ev
-from agent.config import EVICT_AT, Config
-from agent.llm.engine import Engine, EngineSettings
+from agent import models
 from agent.chat.session import ChatSession
+from agent.cli import doctor
+from agent.config import EVICT_AT, Config
+from agent.gate import calibration
+from agent.llm.engine import Engine, EngineSettings
 from memory_store.store import Store
 from tests.reliability_support import cli
 from tui import render

@@ -10,6 +10,7 @@ go to the log file (``agent.logs``, with llama.cpp's own lines) with their trace
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from memory_store.errors import StoreError
 from memory_store.store import Store
 from tui import backend as be
 from tui import bindings, render, settings
-from tui.commands import CertchatCommands, Command, app_commands
+from tui.commands import CertchatCommands, Command
 from tui.screens.chat import ChatScreen
 from tui.screens.dialogs import ChoiceDialog, ConfirmDialog, InputDialog
 from tui.screens.info import HelpScreen, LogsScreen
@@ -143,8 +144,8 @@ class CertchatApp(App[int]):
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         self.keymap_overrides, problems = bindings.keymap(self.config.keys)
         self.set_keymap(self.keymap_overrides)
-        for problem in problems:
-            self.notify(problem, severity="warning", timeout=30)
+        for warning in problems:
+            self.notify(warning, severity="warning", timeout=30)
         try:
             self.store = Store(self.db_path)
         except (StoreError, OSError) as err:
@@ -535,7 +536,49 @@ class CertchatApp(App[int]):
 
     # -- the palette ------------------------------------------------------------------------
     def palette_commands(self) -> list[Command]:
-        return app_commands(self)
+        """The palette's entries, in the order they are listed before anything is typed."""
+        c = self.config
+
+        def key(binding_id: str) -> str:
+            return f" ({bindings.key_for(binding_id, self.keymap_overrides)})"
+
+        cmds = [
+            Command("New chat", "start a new conversation" + key("new_chat"), self.action_new_chat),
+            Command("Rename chat", "rename the open conversation" + key("rename_chat"), self.action_rename_chat),
+            Command("Delete chat", "delete the open conversation" + key("delete_chat"), self.action_delete_chat),
+            Command("Search chats", "full-text search over every conversation" + key("search_chats"),
+                    self.action_search_chats),
+            Command("Regenerate last answer", "answer the last question again, in a branch" + key("regenerate"),
+                    self.action_regenerate),
+            Command("Copy last answer", "to the clipboard" + key("copy_last"), self.action_copy_last),
+            Command("Cancel reply", "stop the answer being written" + key("cancel"), self.action_cancel_reply),
+            Command("Toggle memory panel", "what the model still remembers" + key("toggle_memory"),
+                    self.action_toggle_memory),
+            Command("Toggle chat list", "the conversations sidebar" + key("toggle_sidebar"),
+                    self.action_toggle_sidebar),
+        ]
+        for policy in cfg.POLICIES:
+            mark = " — current" if policy == c.policy else ""
+            cmds.append(Command(f"Policy: {policy}", settings.POLICY_HELP.get(policy, "") + mark,
+                                functools.partial(self.reconfigure, policy=policy)))
+        cmds.append(Command("Budget…", f"KV budget, now {c.budget}" + key("set_budget"), self.action_set_budget))
+        for budget in ("10%", "25%", "50%"):
+            cmds.append(Command(f"Budget: {budget}", "keep this share of the history",
+                                functools.partial(self.reconfigure, budget=budget)))
+        cmds.append(Command("Gate…", f"gate threshold τ, now {c.gate}" + key("set_gate"), self.action_set_gate))
+        for gate, about in (("auto", "the calibrated default τ"), ("off", "never re-read the history")):
+            cmds.append(Command(f"Gate: {gate}", about, functools.partial(self.reconfigure, gate=gate)))
+        cmds += [
+            Command("Export Markdown", "write the conversation as Markdown" + key("export_markdown"),
+                    lambda: self.action_export("markdown")),
+            Command("Export JSONL", "write the conversation as replay JSONL" + key("export_jsonl"),
+                    lambda: self.action_export("jsonl")),
+            Command("Replay a script", "send a JSONL script's user lines into a new chat" + key("replay"),
+                    self.action_replay),
+            Command("Show logs", "certchat's log and the build logs" + key("show_logs"), self.action_show_logs),
+            Command("Help", "keys, binding ids and the memory panel" + key("help"), self.action_help),
+        ]
+        return cmds
 
     # -- shutdown ------------------------------------------------------------------------------
     async def action_quit(self) -> None:

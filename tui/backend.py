@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from agent import events as ev
 from agent.chat import saved_state
-from agent.config import Config
 from agent.chat.session import ChatSession
+from agent.config import Config
 from memory_store import export
 from memory_store.records import Message, Turn
 from memory_store.store import Store

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ MESSAGE_KEYS: tuple[Key, ...] = (
 ALL_KEYS: tuple[Key, ...] = APP_KEYS + MESSAGE_KEYS
 
 
-def bindings(keys: tuple[Key, ...]) -> list[Binding]:
+def bindings(keys: tuple[Key, ...]) -> list[BindingType]:
     return [Binding(k.key, k.action, k.description, show=k.show, priority=k.priority, id=k.id) for k in keys]
 
 

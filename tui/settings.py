@@ -28,7 +28,7 @@ def persist(path: Path | None, **changes: Any) -> str | None:
 
 def budget_problem(text: str) -> str | None:
     try:
-        cfg.parse_budget(text)
+        cfg.Budget.parse(text)
     except cfg.ConfigError as err:
         return str(err)
     return None
@@ -36,7 +36,7 @@ def budget_problem(text: str) -> str | None:
 
 def gate_problem(text: str) -> str | None:
     try:
-        cfg.parse_gate(text)
+        cfg.GateThreshold.parse(text)
     except cfg.ConfigError as err:
         return str(err)
     return None

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from agent.llm.engine import EngineSnapshot, holds_logged_tokens
-from agent.gate.decision import GateState
 from agent.chat.saved_state import SavedState, SavedStates, StateError, key_differences
+from agent.gate.decision import GateState
+from agent.llm.engine import EngineSnapshot, holds_logged_tokens
 from native import patched
 from native.sketch import EvictedKeySketch, SketchRows
 

@@ -28,7 +28,6 @@ from typing import Any, Iterable
 
 import numpy as np
 
-
 MAGIC = b"certchat-state\x00\x00"
 VERSION = 1
 SUFFIX = ".state"
@@ -73,7 +72,7 @@ def _encode(state: SavedState) -> tuple[bytes, list[memoryview]]:
         a = np.ascontiguousarray(array)
         if a.dtype.hasobject:
             raise TypeError(f"saved state array {name!r} holds Python objects")
-        view = memoryview(a).cast("B") if a.size else memoryview(b"")
+        view = memoryview(a.data).cast("B") if a.size else memoryview(b"")
         specs.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset,
                       "nbytes": a.nbytes})
         digest.update(view)
@@ -226,7 +225,7 @@ class SavedStates:
 
     def states(self) -> list[StateInfo]:
         """Every saved state, least recently used first."""
-        out = []
+        out: list[StateInfo] = []
         if not self.folder.is_dir():
             return out
         for path in self.folder.glob(f"conversation-*{SUFFIX}"):

@@ -23,6 +23,7 @@ The session is the only writer of the store during a turn. Replays compose the s
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -33,16 +34,19 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from agent import events as ev, models
-from agent.gate import calibration
+from agent import events as ev
+from agent import models
 from agent.chat import resume
-from agent.config import Config
-from agent.llm.engine import Engine, EngineSettings, Generation
-from agent.gate.decision import Gate, GateDecision, ReadPlan, TargetedRead
-from agent.eviction.budget import CacheManager, EvictionReport
 from agent.chat.saved_state import SavedStates, StateError
-from agent.llm.template import ChatTemplate, Message as TemplateMessage, strip_bos
-from memory_store.records import EvictionRound, Message, Turn as TurnRecord
+from agent.config import Config
+from agent.eviction.budget import CacheManager, EvictionReport
+from agent.gate import calibration
+from agent.gate.decision import Gate, GateDecision, ReadPlan, TargetedRead
+from agent.llm.engine import Engine, EngineSettings, Generation
+from agent.llm.template import ChatTemplate, strip_bos
+from agent.llm.template import Message as TemplateMessage
+from memory_store.records import EvictionRound, Message
+from memory_store.records import Turn as TurnRecord
 from memory_store.store import Store
 from memory_store.stream import AssistantStream
 from native import llama, poisson, runtime
@@ -126,7 +130,9 @@ class ChatSession:
     """A conversation bound to an engine, a store, a cache manager and a gate."""
 
     def __init__(self, config: Config, store: Store, engine: Engine, model_name: str,
-                 conversation_id: int | None = None, saver: resume.Saver | None = None) -> None:
+                 conversation_id: int | None = None, saver: resume.Saver | None = None,
+                 template: ChatTemplate | None = None) -> None:
+        """``template``: the chat markup, when not the model's own (a study gives a base model one)."""
         self.config = config
         self.saver = saver
         """Where the state goes after every turn and comes from when a conversation is reopened (None: nowhere;
@@ -136,7 +142,7 @@ class ChatSession:
         self.store = store
         self.engine = engine
         self.model_name = model_name
-        self.template = ChatTemplate.for_model(engine.model)
+        self.template = template or ChatTemplate.for_model(engine.model)
         self.memory = CacheManager(engine, config)
         self.gate = Gate(config)
         self.sampler = llama.Sampler(self._sampler_params(), engine.info.n_vocab)
@@ -384,9 +390,13 @@ class ChatSession:
                           list(self._turn_certs))
 
     def rollback(self, checkpoint: Checkpoint) -> None:
+        """Put the cache back as :meth:`checkpoint` found it. The eviction rounds since then stay in the log, so
+        the round counter goes on from them: the next eviction is logged under a new number, with new draws."""
+        rounds_done = self.memory.round
         self.gate.discard_turn()
         self.engine.restore(checkpoint.engine)
         self.memory.restore(checkpoint.memory)
+        self.memory.round = rounds_done
         self._segments, self._turn_certs = list(checkpoint.segments), list(checkpoint.certificates)
 
     def replace_answer(self, turn: Turn, text: str) -> None:
@@ -629,11 +639,11 @@ class ChatSession:
         assert decision.value is not None and decision.threshold is not None
         why_full = "mid-answer breach"
         if phase == "question":
-            target, why_full = self._plan_targeted(decision)
+            target, why_full = self._plan_targeted(decision, turn)
             if target is not None:
                 self._reread_targeted(turn, decision, target, on_event, cancel)
                 return
-        plan = self._plan_reread()
+        plan = self._plan_reread(in_flight=turn.user.id)
         on_event(ev.GateFired(phase, decision.value, decision.threshold, plan.prefill_tokens, plan.truncated,
                               decision.uncertified, plan.restored_tokens, self._points_at(), why_full=why_full))
         if plan.truncated:
@@ -644,9 +654,9 @@ class ChatSession:
         self._record_reread(turn, decision, "full", [m.id for m in plan.messages], plan.prefill_tokens,
                             plan.restored_tokens)
 
-    def _plan_targeted(self, decision: GateDecision) -> tuple[TargetedRead | None, str]:
+    def _plan_targeted(self, decision: GateDecision, turn: Turn) -> tuple[TargetedRead | None, str]:
         history = self.store.history(self.conversation_id)
-        logged = {m.index: m for m in history.messages if not m.meta.get("discarded")}
+        logged = {m.index: m for m in _readable(history.messages, turn.user.id)}
         return self.gate.plan_targeted(decision, logged, self.engine, self.engine.free_cells())
 
     def _reread_targeted(self, turn: Turn, decision: GateDecision, target: TargetedRead, on_event: EventSink,
@@ -670,7 +680,7 @@ class ChatSession:
                 for p0, p1 in runs:
                     base = done
                     self.engine.reinsert(toks[p0 - first:p1 - first], p0, message.index, cancel=cancel,
-                                         progress=lambda n, base=base: on_event(ev.Rereading(base + n, total)))
+                                         progress=functools.partial(_rereading, on_event, base, total))
                     done += p1 - p0
             # The named messages are back exactly; the answer reads the cache as it is. Under the −log π biases a
             # sampled stand-in weighs up to 1/π cells (×50 at π = 0.02) and drowns the exact cells the re-read
@@ -721,11 +731,13 @@ class ChatSession:
         who = "your" if segment.role == "user" else "the answer at"
         return f"{who} turn {turn} ('{text[:32]}…')" if len(text) > 32 else f"{who} turn {turn} ('{text}')"
 
-    def _plan_reread(self, reserve: int | None = None, pending: int | None = None) -> ReadPlan:
+    def _plan_reread(self, reserve: int | None = None, pending: int | None = None,
+                     in_flight: int | None = None) -> ReadPlan:
         """What a re-read holds: the logged messages (exact token ids) that fit with ``reserve`` cells free
-        (default: the answer's room); ``pending``: a message (id) to leave out, as it is prefilled next."""
+        (default: the answer's room); ``pending``: a message (id) to leave out, as it is prefilled next;
+        ``in_flight``: the question being answered, read even when its turn is to be discarded afterwards."""
         history = self.store.history(self.conversation_id)
-        msgs = self._tokenized([m for m in history.messages if not m.meta.get("discarded") and m.id != pending])
+        msgs = self._tokenized([m for m in _readable(history.messages, in_flight) if m.id != pending])
         room = self.engine.n_ctx - (self.config.max_tokens + 16 if reserve is None else reserve)
         return self.gate.plan_reread(self.conversation_id, msgs, room)
 
@@ -749,7 +761,7 @@ class ChatSession:
             toks = [int(t) for t in m.tokens]
             done = fed
             self.engine.feed(toks, segment=m.index, logits_last=m is last, cancel=cancel,
-                             progress=lambda n, done=done: on_event(ev.Rereading(done + n, total)))
+                             progress=functools.partial(_rereading, on_event, done, total))
             fed += len(toks)
         self._segments = [_Segment(m.index, m.role, m.content) for m in plan.messages]
         if keep_copy:
@@ -804,7 +816,8 @@ class ChatSession:
         if report is not None:
             self._log_round(report, pending)
         if not freed:
-            on_event(ev.Notice("the context is full: keeping the system prompt and the most recent messages", "warning"))
+            on_event(ev.Notice("the context is full: keeping the system prompt and the most recent messages",
+                               "warning"))
             self._read_history(self._plan_reread(reserve=needed, pending=pending))
 
     # -- helpers --------------------------------------------------------------------------
@@ -859,3 +872,14 @@ class ChatSession:
         self.sampler.close()
         if self._owns_engine:
             self.engine.close()
+
+
+def _rereading(on_event: Callable[[ev.Event], None], done: int, total: int, n: int) -> None:
+    """Progress of a re-read: ``n`` more tokens fed after the ``done`` before this run."""
+    on_event(ev.Rereading(done + n, total))
+
+
+def _readable(messages: Sequence[Message], in_flight: int | None) -> list[Message]:
+    """The messages a re-read holds: those not discarded, and the question being answered (``in_flight``), which
+    a turn to be forgotten afterwards (an independent probe's) logs discarded from the start but still answers."""
+    return [m for m in messages if not m.meta.get("discarded") or m.id == in_flight]

@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from agent import events as ev
 from agent import config as config_mod
+from agent import events as ev
 from agent import models, paths
 from agent.cli import errors as cli_errors
 

@@ -9,11 +9,11 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from agent import models, paths
-from agent.gate import calibration
-from agent.eviction import policies
 from agent import config as config_mod
+from agent import models, paths
 from agent.chat.saved_state import SavedStates, state_dir
+from agent.eviction import policies
+from agent.gate import calibration
 from native import runtime
 
 PATCH_MARKER = "llama_certchat_patch_version"
@@ -113,7 +113,7 @@ def gate_report() -> dict[str, Any]:
     except OSError:
         sha = None
     calibrated = calibration.covers(sha, cfg.evict_at) if sha else None
-    held = config_mod.parse_gate(cfg.gate) == "auto" and policies.from_config(cfg).evicts and calibrated is False
+    held = cfg.gate_threshold.auto and policies.from_config(cfg).evicts and calibrated is False
     return {"model": cfg.model, "gate": cfg.gate, "policy": cfg.policy, "evict_at": cfg.evict_at,
             "calibrated": calibrated,
             "note": f"{calibration.UNCALIBRATED}; {calibration.UNCALIBRATED_HOW}" if held else None}

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from agent import paths
-from agent.cli import errors as cli_errors
 from agent.chat.saved_state import SavedStates, discard
+from agent.cli import errors as cli_errors
 from memory_store import Conversation, DatabaseMissingError, DiskFullError, Message, ReadOnlyError, Store, StoreError
 from memory_store.export import export_jsonl, export_markdown, import_jsonl
 from memory_store.records import NOT_REREAD

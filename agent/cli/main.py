@@ -9,7 +9,6 @@ import json
 import os
 import sys
 
-
 from agent import paths
 
 # The chat's own subcommand modules, each adding itself with register(subparsers). The Textual UI's

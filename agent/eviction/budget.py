@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from agent import models
-from agent.gate import calibration
+from agent.config import Config
+from agent.events import Hook
 from agent.eviction import policies
-from agent.config import Config, parse_budget, parse_gate
-from agent.config import sketch_layers as parse_sketch_layers
+from agent.gate import calibration
 from agent.llm.engine import Engine
 from native import patched, poisson
 
@@ -64,6 +64,9 @@ class CacheManager:
         self.config = config
         self.policy: policies.Policy = policies.from_config(config)
         self.round = 0
+        self.planned: Hook[[int, np.ndarray, Any]] = Hook()
+        """Heard after every eviction plan, before it is applied: (its round, the live positions it scored, the
+        plan)."""
         self._longest = 0
         """The longest history this conversation's cache has held (a re-read starts the cache from position 0,
         but the history it reads is no shorter: eviction, once begun, goes on)."""
@@ -86,7 +89,7 @@ class CacheManager:
         # held-back question tokens and one-token decodes.
         # The sketch keeps what a sampled design evicts, for the gate: its query rows are the certificate window's.
         sketched = self.policy.sampled and self.policy.evicts and self.full_reason is None
-        layers = parse_sketch_layers(config.sketch_layers)
+        layers = config.sketch_layer_choice
         if layers is None:
             layers = calibration.sketch_layers(self.engine.info.layer_windows, config.evict_at)
         self.engine.set_sketch(layers if sketched else (), config.sketch_bits, config.cert_window)
@@ -98,7 +101,7 @@ class CacheManager:
     def _uncalibrated(self) -> str | None:
         """:data:`calibration.UNCALIBRATED` when the policy evicts under ``gate = "auto"`` on a model the gate's
         calibration does not cover; None otherwise (a threshold or "off" was chosen, or nothing is evicted)."""
-        if not self.policy.evicts or parse_gate(self.config.gate) != "auto":
+        if not self.policy.evicts or not self.config.gate_threshold.auto:
             return None
         if self._model_sha256 is None:
             try:
@@ -182,9 +185,8 @@ class CacheManager:
         the full cache (a policy that never evicts, or a history below ``evict_from``)."""
         if not self.evicting(history):
             return None
-        kind, value = parse_budget(self.config.budget)
         length = self.engine.next_pos if history is None else history
-        cells = int(value) if kind == "tokens" else int(round(value * max(length, 1)))
+        cells = self.config.kv_budget.cells(length)
         return max(cells, self.config.sinks + self.config.recent)
 
     def split_question(self, n_tokens: int) -> int:
@@ -252,6 +254,7 @@ class CacheManager:
             seed=self.config.seed, round=self.round, positions=positions,
             prev_cum_logpi=np.asarray(cache.logpi, dtype=np.float64), strict=False,
         )
+        self.planned(self.round, positions, plan)
         self.engine.evict(np.asarray(plan.keep, dtype=bool), plan.cum_logpi if pol.sampled else None)
         report = EvictionReport(round=self.round, policy=pol.name, seed=self.config.seed, cells_before=n,
                                 cells_after=len(cache), budget_cells=int(target), sum_pi=float(plan.expected_kept),

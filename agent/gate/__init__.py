@@ -1,1 +1,2 @@
-"""The gate: the certificate and its calibration, the threshold τ, the evicted-key sketch signal, and the decision to re-read."""
+"""The gate: the certificate and its calibration, the threshold τ, the evicted-key sketch signal, and the decision to
+re-read."""

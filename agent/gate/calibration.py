@@ -17,8 +17,8 @@ the larger of τ and ``factor`` × the median of the conversation's last ``windo
 A record holds for the model it was fitted on (``"model_sha256"``, the GGUF's hash; a record naming only a registry
 ``"model"`` holds for that model's file). On another model the floor can sit where that model's turns never reach
 it (Qwen2.5-Coder-1.5B's anomalies read 0.4–1.2 against the 0.5B's τ 5.11 at the 0.5B's layers mapped by depth),
-so the gate never fires and eviction forgets silently: :func:`covers` says whether a model has a calibration, and the cache manager keeps such a model's cache
-full under ``gate = "auto"`` (:data:`UNCALIBRATED`).
+so the gate never fires and eviction forgets silently: :func:`covers` says whether a model has a calibration, and
+the cache manager keeps such a model's cache full under ``gate = "auto"`` (:data:`UNCALIBRATED`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from agent import models
+from agent.config import DEFAULT_EVICT_AT, Budget
 from agent.gate import certificate
 from agent.gate.certificate import CertificateForm, Component
-from agent.config import DEFAULT_EVICT_AT
 
 PATH = Path(__file__).parent / "gate_calibration.json"
 
@@ -150,7 +150,7 @@ def adaptive(statistic: str, evict_at: str = DEFAULT_EVICT_AT) -> Adaptive | Non
     return Adaptive(float(spec["factor"]), int(spec["window"]))
 
 
-def tau_form(evict_at: str = DEFAULT_EVICT_AT, budget: str | None = None, model: str | None = None,
+def tau_form(evict_at: str = DEFAULT_EVICT_AT, budget: Budget | str | None = None, model: str | None = None,
              rounds: int | None = None, policy: str = "poisson") -> CertificateForm | None:
     """The certificate form the calibrated τ for ``evict_at`` was fitted on: the gate reads a certificate
     statistic in it, so that a refitted certificate changes what the TUI shows, not when the gate fires. The

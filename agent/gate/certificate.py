@@ -13,7 +13,8 @@ cache the kept cells' K/V (and the question's rows) were computed over an evicte
 away from the full cache's even where the sample is exact, and no variance of the sample sees that
 (docs/POISSON.md). λ is its moment estimate — the mean excess of the realised squared error over V̂, relative
 to ‖ô‖² — and k the split-conformal quantile of err / sqrt(V̂ + λ‖ô‖²), taken per calibration conversation
-and the largest kept (:func:`fit`). It is a calibrated bound, not a design-exact one. Without the file the certificate is the uncalibrated sqrt(V̂)/‖ô‖.
+and the largest kept (:func:`fit`). It is a calibrated bound, not a design-exact one. Without the file the
+certificate is the uncalibrated sqrt(V̂)/‖ô‖.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from agent.config import Budget
 
 PATH = Path(__file__).parent / "certificate_calibration.json"
 NOMINAL = 0.95
@@ -116,10 +119,10 @@ def fit_drift(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int) -> t
     lay = np.asarray(layer, dtype=np.int64)
     ok = o2 > 0
     lam = np.full(n_layer, np.nan)
-    for l in range(n_layer):
-        m = ok & (lay == l)
+    for li in range(n_layer):
+        m = ok & (lay == li)
         if m.any():
-            lam[l] = max(0.0, float(np.mean((e2[m] - v[m]) / o2[m])))
+            lam[li] = max(0.0, float(np.mean((e2[m] - v[m]) / o2[m])))
     if np.isnan(lam).all():
         return tuple(0.0 for _ in range(n_layer))
     return tuple(float(x) for x in np.where(np.isnan(lam), np.nanmax(lam), lam))
@@ -158,22 +161,19 @@ PROTOCOL_ROUNDS = {"one-shot": 1, "multi-round": 2}
 """Eviction rounds standing for each protocol of the coverage study (its rounds class: :func:`rounds_class`)."""
 
 
-def _budget_key(budget: str) -> str:
-    return budget.strip().replace(" ", "")
-
-
 def _model_key(model: str) -> str:
     # a registry name, or a GGUF path whose file is named after it (the model cache's layout)
     name = Path(model).name
     return name[:-5] if name.endswith(".gguf") else name
 
 
-Record = tuple[str, str | None, str, str | None, Component]
-"""(policy, model, budget, rounds class, certificate) of one calibration; None: any."""
+Record = tuple[str, str | None, Budget, str | None, Component]
+"""(policy, model, budget, rounds class, certificate) of one calibration; None: any. A record is found by what its
+budget means (a share of 10% however it was written), not by its text."""
 
 
 def parse_records(rows: list[dict[str, Any]]) -> tuple[Record, ...]:
-    return tuple((str(r.get("policy", "poisson")), r.get("model"), _budget_key(str(r["budget"])), r.get("rounds"),
+    return tuple((str(r.get("policy", "poisson")), r.get("model"), Budget.parse(str(r["budget"])), r.get("rounds"),
                   Component(float(r["multiplier"]), tuple(float(x) for x in r.get("drift") or ()))) for r in rows)
 
 
@@ -198,7 +198,7 @@ def _records(path: Path) -> tuple[Record, ...]:
         return ()
 
 
-def form_for(budget: str | None = None, model: str | None = None, rounds: int | None = None,
+def form_for(budget: Budget | str | None = None, model: str | None = None, rounds: int | None = None,
              path: Path | None = None, records: tuple[Record, ...] | None = None,
              policy: str = "poisson") -> CertificateForm:
     """The certificate for ``model`` at ``budget`` after ``rounds`` eviction rounds: its calibrated record; where
@@ -207,15 +207,17 @@ def form_for(budget: str | None = None, model: str | None = None, rounds: int | 
     class) applies to any. A policy no record was fitted for (another design: its error is not this drift and
     this sample's) keeps sqrt(V̂)/‖ô‖ — for a deterministic design that is 0, no certificate."""
     table = _records(path or PATH) if records is None else records
-    table = tuple(r[1:] for r in table if r[0] == policy)
-    if not table:
+    wanted = None if budget is None else Budget.parse(budget)
+    rows: tuple[tuple[str | None, Budget, str | None, Component], ...] = tuple(
+        (r[1], r[2], r[3], r[4]) for r in table if r[0] == policy)
+    if not rows:
         return CertificateForm()
     key = _model_key(model) if model else None
-    mine = [r for r in table if r[0] is not None and r[0] == key] or [r for r in table if r[0] is None] \
-        or list(table)
+    mine = [r for r in rows if r[0] is not None and r[0] == key] or [r for r in rows if r[0] is None] \
+        or list(rows)
     cls = rounds_class(rounds) if rounds is not None else None
     mine = [r for r in mine if cls is not None and r[2] in (cls, None)] or mine
-    at = [r for r in mine if budget is not None and r[1] == _budget_key(budget)] or mine
+    at = [r for r in mine if wanted is not None and r[1] == wanted] or mine
     return CertificateForm(tuple(dict.fromkeys(r[3] for r in at)))
 
 

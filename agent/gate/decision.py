@@ -17,17 +17,17 @@ The session carries out the plan on the engine; the log stays the source of trut
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 import numpy as np
 
-from agent.gate import calibration
-from agent.gate import certificate
+from agent.config import Config
+from agent.events import Hook
 from agent.eviction import policies
-from agent.gate import repetition
+from agent.gate import calibration, certificate, repetition
 from agent.gate.certificate import CertificateForm
-from agent.config import Config, parse_gate
 from agent.llm.engine import holds_logged_tokens
 from native import patched, poisson
 
@@ -290,9 +290,17 @@ class Gate:
         """The sketch layers the baselines in ``_paid`` were read in (None: none read yet)."""
         self._recent: list[float] = []
         """The conversation's earlier turn statistics, oldest first (what an adaptive τ follows)."""
+        self._tau: tuple[float | None] | None = None
+        """This turn's τ once worked out: it changes only with the settings and between turns."""
+        self.sketch_read_ms = 0.0
+        """Milliseconds spent reading the sketch for questions so far (scoring, shares, baselines)."""
+        self.question_read: Hook[[Engine, int, bool]] = Hook()
+        """Heard after every :meth:`read_question` that read one: (the engine, the question's rows, whether the
+        design is sampled)."""
 
     def reconfigure(self, config: Config) -> None:
         self.config = config
+        self._tau = None
 
     # -- threshold and statistic ------------------------------------------------------
     @property
@@ -304,21 +312,26 @@ class Gate:
     def threshold(self) -> float | None:
         """τ for this turn: the configured number, or the calibrated τ — raised, when its calibration is
         adaptive, to its factor × the median of this conversation's recent turn statistics."""
-        gate = parse_gate(self.config.gate)
-        if gate == "auto":
+        if self._tau is None:
+            self._tau = (self._work_out_threshold(),)
+        return self._tau[0]
+
+    def _work_out_threshold(self) -> float | None:
+        gate = self.config.gate_threshold
+        if gate.auto:
             tau = calibration.default_tau(self.statistic, self.config.evict_at)
             if tau is None:
                 return None
             return calibration.adaptive_tau(tau, self._recent,
                                             calibration.adaptive(self.statistic, self.config.evict_at))
-        return gate if isinstance(gate, float) else None
+        return gate.tau
 
     def implicating_level(self, tau: float) -> float:
         """The anomaly at which a message counts as implicated when a turn fired at bar ``tau``: the bar itself for
         a fixed τ; for an adaptive one, the calibrated floor or the conversation's ordinary turn peak (the median
         the bar multiplies), whichever is higher — the bar decides whether the turn stands out, and every message
         above the ordinary peak is part of what it points at (the bar alone would bring back only the top one)."""
-        if parse_gate(self.config.gate) != "auto":
+        if not self.config.gate_threshold.auto:
             return tau
         floor = calibration.default_tau(self.statistic, self.config.evict_at)
         rule = calibration.adaptive(self.statistic, self.config.evict_at)
@@ -329,13 +342,13 @@ class Gate:
     def certificate_form(self, rounds: int) -> CertificateForm:
         """The certificate shown for this policy, model and budget after ``rounds`` eviction rounds
         (agent.gate.certificate)."""
-        return certificate.form_for(self.config.budget, self.config.model, rounds, policy=self.config.policy)
+        return certificate.form_for(self.config.kv_budget, self.config.model, rounds, policy=self.config.policy)
 
     def decision_form(self) -> CertificateForm:
         """The form the gate compares with τ: a calibrated τ's own (agent.gate.calibration.tau_form), else the
         certificate shown (an explicit threshold is read on what the user sees)."""
-        if parse_gate(self.config.gate) == "auto" and calibration.is_certificate_statistic(self.statistic):
-            form = calibration.tau_form(self.config.evict_at, self.config.budget, self.config.model,
+        if self.config.gate_threshold.auto and calibration.is_certificate_statistic(self.statistic):
+            form = calibration.tau_form(self.config.evict_at, self.config.kv_budget, self.config.model,
                                         self.turn.rounds, self.config.policy)
             if form is not None:
                 return form
@@ -353,6 +366,7 @@ class Gate:
     def begin_turn(self) -> TurnCertificates:
         folded = self.state()
         self._paid, self._recent = folded.paid, folded.recent
+        self._tau = None
         self.turn = TurnCertificates()
         return self.turn
 
@@ -377,6 +391,7 @@ class Gate:
             raise ValueError(f"its gate read {state.statistic}, this one reads {self.statistic}")
         self.new_conversation()
         self._recent = list(state.recent)
+        self._tau = None
         self._paid = {message: list(shares) for message, shares in state.paid.items()}
         self._paid_layers = state.paid_layers
 
@@ -386,6 +401,7 @@ class Gate:
         self._paid = {}
         self._paid_layers = None
         self._recent = []
+        self._tau = None
         self.turn = TurnCertificates()
 
     def history_record(self) -> dict[str, Any]:
@@ -410,6 +426,7 @@ class Gate:
         for record in records:
             if record.get("statistic") == self.statistic and isinstance(record.get("value"), (int, float)):
                 self._recent.append(float(record["value"]))
+                self._tau = None
             shares = record.get("shares")
             if shares:
                 self._keep_baselines(tuple(int(x) for x in record.get("layers", ())))
@@ -457,7 +474,12 @@ class Gate:
         turn.uncertified = sampled_design and evicted and units < 2
         turn.evicted_share = share
         if engine.sketch is not None and engine.sketch.n_tokens:
-            self.read_sketch(engine, reading, texts)
+            started = time.perf_counter()
+            try:
+                self.read_sketch(engine, reading, texts)
+            finally:
+                self.sketch_read_ms += (time.perf_counter() - started) * 1000.0
+        self.question_read(engine, rows, sampled_design)
 
     def read_sketch(self, engine: "Engine", reading: patched.Importance, texts: MessageTexts | None = None) -> None:
         """Phase 1 of the two-phase design: the question's attention on every earlier message, the evicted part
@@ -470,7 +492,8 @@ class Gate:
         census of all messages. Read that way a message's share does not depend on how its cells are split
         between the sample and the sketch, so it keeps its scale when a re-read brings cells back and a later
         round samples them anew (with the biases left in, its few survivors weighed 1/π each and read as
-        anomalous on turn after turn: docs/results/NOTES.md). A message's anomaly is the largest ratio, over the sketch layers, of this share
+        anomalous on turn after turn: docs/results/NOTES.md). A message's anomaly is the largest ratio, over the
+        sketch layers, of this share
         to its median over the earlier turns (at least two; the median floored at ``SHARE_FLOOR``); ``sketch.max``
         is the largest anomaly over the messages more than half evicted — the ones the certificate of the kept
         sample cannot speak for. An earlier question this one repeats word for word (``agent.gate.repetition``, read
@@ -521,10 +544,10 @@ class Gate:
                               "anomaly": None if anomaly is None else _sig(anomaly),
                               "evicted": int(n_gone[m]), "live": int(n_live[m])}
         if texts is not None and anomalies and len(segs):
-            for m in self._repeats(texts, int(segs[-1]), anomalies):
-                del anomalies[m]
-                excess.pop(m, None)
-                record[m]["repeat"] = True
+            for repeated in self._repeats(texts, int(segs[-1]), anomalies):
+                del anomalies[repeated]
+                excess.pop(repeated, None)
+                record[repeated]["repeat"] = True
         turn = self.turn
         turn.sketch_layers = [int(x) for x in layers]
         turn.sketch_messages = record
@@ -589,11 +612,11 @@ class Gate:
         """The messages a question-phase firing brings back, or (None, why the whole history is re-read instead).
 
         Only a sketch statistic names messages. The messages whose own anomaly reaches τ (an adaptive τ's
-        :meth:`implicating_level`) are the implicated ones (at most :data:`MAX_TARGETED`, else the attention is spread); they come back whole (every evicted
-        run), most anomalous first, as many as fit ``reread_budget`` — when those hold at least :data:`COVER` of
-        the implicated mass. ``logged``: the log's re-readable messages by index (exact token ids), checked
-        against the positions the engine fed them at and the tokens still live there — on any disagreement the
-        log wins and the whole history is re-read."""
+        :meth:`implicating_level`) are the implicated ones (at most :data:`MAX_TARGETED`, else the attention is spread);
+        they come back whole (every evicted run), most anomalous first, as many as fit ``reread_budget`` — when those
+        hold at least :data:`COVER` of the implicated mass. ``logged``: the log's re-readable messages by index (exact
+        token ids), checked against the positions the engine fed them at and the tokens still live there — on any
+        disagreement the log wins and the whole history is re-read."""
         tau = decision.threshold
         if self.config.reread_budget <= 0:
             return None, "targeted re-reads are off (reread_budget = 0)"

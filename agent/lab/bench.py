@@ -146,7 +146,7 @@ def run(model_name: str, history: int, budget_share: float, threads: int, steps:
     _record_decode(out, "fresh_budget", fresh, steps)
 
     # 3. certificate cost at the same live cells.
-    rates = {}
+    rates: dict[bool, list[float]] = {}
     for on in (False, True, False, True):
         fresh.set_readout(on, 1)
         rates.setdefault(on, []).append(_decode_rate(fresh, steps))
@@ -176,8 +176,8 @@ def _turn_overhead(path: Path, model_name: str, threads: int, history: int, evic
     turns keep the evicted-key sketch: its read by the gate (inside "certificate") and its quantisation (inside
     "evict") are timed on their own as well."""
     from agent import events as ev  # noqa: PLC0415
-    from agent.lab.replay import drive  # noqa: PLC0415
     from agent.chat.session import ChatSession  # noqa: PLC0415
+    from agent.lab.replay import drive  # noqa: PLC0415
     from memory_store.store import Store  # noqa: PLC0415
 
     cfg = Config(model=model_name, n_ctx=history + 1024, policy="poisson", budget="10%", max_tokens=48, evict_from=0,
@@ -370,8 +370,8 @@ def length_sweep(path: Path, model_name: str, threads: int, lengths: tuple[int, 
     """For each history length: a real conversation forced to that length under the full cache, then, from that
     same state (checkpoint and rollback), each arm's first turn and LENGTH_TURNS steady turns. One row per
     (length, arm) with medians over the steady turns."""
-    from agent.lab.replay import drive  # noqa: PLC0415
     from agent.chat.session import ChatSession  # noqa: PLC0415
+    from agent.lab.replay import drive  # noqa: PLC0415
     from memory_store.store import Store  # noqa: PLC0415
 
     rows: list[dict[str, Any]] = []
@@ -536,8 +536,9 @@ def _turn_mode_lines(out: dict[str, Any]) -> list[str]:
                      f"{out.get('targeted_reread_messages')} messages, {out.get('targeted_reprefill_tokens')} tokens "
                      f"in {f('targeted_reprefill_ms', '{:.0f}')} ms; recalled: {out.get('targeted_recalled')}")
     if "gated_turn_ms" in out:
-        lines.append(f"steady-state turn {f('steady_turn_ms', '{:.0f}')} ms vs gated turn {f('gated_turn_ms', '{:.0f}')} ms "
-                     f"(re-prefilled {out.get('gated_reprefill_tokens')} tokens in {f('gated_reprefill_ms', '{:.0f}')} ms)")
+        lines.append(f"steady-state turn {f('steady_turn_ms', '{:.0f}')} ms vs gated turn "
+                     f"{f('gated_turn_ms', '{:.0f}')} ms (re-prefilled {out.get('gated_reprefill_tokens')} tokens in "
+                     f"{f('gated_reprefill_ms', '{:.0f}')} ms)")
     if "gated_again_turn_ms" in out:
         lines.append(f"  the next gated turn {f('gated_again_turn_ms', '{:.0f}')} ms: restored "
                      f"{out.get('gated_again_restored_tokens')} tokens from the first re-read's copy, prefilled "
@@ -548,7 +549,8 @@ def _turn_mode_lines(out: dict[str, Any]) -> list[str]:
         limit = out["sketch_full_row_bytes"] // 16
         lines += [
             f"  sketch (layers {out['sketch_layers']}, int{out['sketch_bits']}, {f('sketch_evicted_tokens', '{:.0f}')} "
-            f"evicted tokens): gate's read {f('sketch_read_ms', '{:.1f}')} ms (scoring {f('sketch_score_ms', '{:.1f}')}) "
+            f"evicted tokens): gate's read {f('sketch_read_ms', '{:.1f}')} ms "
+            f"(scoring {f('sketch_score_ms', '{:.1f}')}) "
             f"+ quantise {f('sketch_quantise_ms', '{:.1f}')} ms ({f('sketch_round_tokens', '{:.0f}')} tokens) "
             f"= {f('sketch_share', '{:.2%}')} of the steady turn (target ≤ 5%); first eviction quantised "
             f"{out.get('first_turn_sketch_tokens')} tokens in {f('first_turn_sketch_quantise_ms', '{:.1f}')} ms",
@@ -592,8 +594,8 @@ def main(args: argparse.Namespace) -> int:
                 keyed[f"ttft_ms_{arm}_{r['history'] // 1024}k"] = r["ttft_ms"]
     if args.only == "resume":
         from agent.lab import resume_bench  # noqa: PLC0415 — its own figures, printed on their own
-        lengths = resume_bench.QUICK_LENGTHS if args.quick else resume_bench.LENGTHS
-        rows = resume_bench.run(args.model, lengths, args.threads, _say)
+        resume_lengths = resume_bench.QUICK_LENGTHS if args.quick else resume_bench.LENGTHS
+        rows = resume_bench.run(args.model, resume_lengths, args.threads, _say)
         print(resume_bench.render(args.model, args.threads, rows))
         if args.json:
             print(json.dumps({"model": args.model, "threads": args.threads, "resume": rows}))

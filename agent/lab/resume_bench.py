@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agent import models
-from agent.config import Config
 from agent.chat.saved_state import SavedStates, read_header
+from agent.config import Config
 
 LENGTHS = (4096, 16384, 32768)
 QUICK_LENGTHS = (1024, 4096)
@@ -35,9 +35,9 @@ QUESTION = "In one short sentence, what did we talk about last?"
 
 def _log_chat(db: Path, model: str, history: int, threads: int) -> tuple[int, int]:
     """A generated long chat of about ``history`` tokens, logged with its exact token ids; (conversation, tokens)."""
-    from agent.llm.engine import Engine, EngineSettings  # noqa: PLC0415 — loads llama.cpp
-    from agent.lab.replay import longchat  # noqa: PLC0415
     from agent.chat.session import ChatSession  # noqa: PLC0415
+    from agent.lab.replay import longchat  # noqa: PLC0415
+    from agent.llm.engine import Engine, EngineSettings  # noqa: PLC0415 — loads llama.cpp
     from memory_store.store import Store  # noqa: PLC0415
 
     script = longchat.generate(0, history, longchat.counter_for(model))

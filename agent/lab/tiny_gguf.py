@@ -65,7 +65,10 @@ class _Weights:
         self.writer.add_tensor(name, (self.rng.standard_normal((ne1, ne0)) * s).astype(self.dtype))
 
     def vec(self, name: str, n: int, value: float | None = None) -> None:
-        data = np.full(n, value, dtype=np.float32) if value is not None else self.rng.standard_normal(n).astype(np.float32) * 0.02
+        if value is not None:
+            data = np.full(n, value, dtype=np.float32)
+        else:
+            data = self.rng.standard_normal(n).astype(np.float32) * 0.02
         self.writer.add_tensor(name, data)
 
 
@@ -148,7 +151,8 @@ def _mamba(writer: gguf.GGUFWriter, w: _Weights) -> None:
         p = f"blk.{i}."
         w.vec(p + "attn_norm.weight", N_EMBD, 1.0)
         w.mat(p + "ssm_in.weight", N_EMBD, 2 * d_inner)
-        w.writer.add_tensor(p + "ssm_conv1d.weight", (w.rng.standard_normal((d_inner, d_conv)) * 0.5).astype(np.float32))
+        conv = (w.rng.standard_normal((d_inner, d_conv)) * 0.5).astype(np.float32)
+        w.writer.add_tensor(p + "ssm_conv1d.weight", conv)
         w.vec(p + "ssm_conv1d.bias", d_inner)
         w.mat(p + "ssm_x.weight", d_inner, dt_rank + 2 * d_state)
         w.mat(p + "ssm_dt.weight", dt_rank, d_inner)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from agent.events import Hook
 from native import llama, patched
 from native.sketch import EvictedKeySketch, SketchRows
 
@@ -166,6 +167,8 @@ class Engine:
         self.batch = llama.Batch(settings.n_batch)
         self.cache = CacheMirror()
         self.next_pos = 0
+        self.fed: Hook[[int, list[int]]] = Hook()
+        """Heard after every :meth:`feed`: (the position it started at, its tokens)."""
         self.readout: tuple[bool, int] = (False, 0)
         """(on, window) of the in-graph attention readout (certificate + importance) the context computes."""
         self.sketch: EvictedKeySketch | None = None
@@ -376,7 +379,9 @@ class Engine:
              cancel: threading.Event | None = None, progress: Callable[[int], None] | None = None) -> float:
         """Decode ``tokens`` at the next positions (teacher-forced); returns milliseconds. ``cancel`` is
         checked before each batch (``InterruptedError``); ``progress(n)`` hears the tokens done after each."""
+        origin = self.next_pos
         if not tokens:
+            self.fed(origin, tokens)
             return 0.0
         if len(tokens) > self.free_cells():
             raise llama.KVCacheFull(
@@ -408,7 +413,9 @@ class Engine:
         finally:
             if gap:
                 self.ctx.set_reinsert(False)
-        return (time.perf_counter() - start) * 1000.0
+        ms = (time.perf_counter() - start) * 1000.0
+        self.fed(origin, tokens)
+        return ms
 
     def evicted_runs(self, segment: int) -> list[tuple[int, int]]:
         """The [p0, p1) runs of message ``segment``'s positions that are no longer in the cache."""

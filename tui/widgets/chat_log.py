@@ -11,6 +11,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.widget import Widget
 from textual.widgets import Button, Label, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
@@ -111,7 +112,7 @@ class ChatLog(VerticalScroll):
         await self.remove_children()
         self._gates = {t.message_id: t for t in turns if t.gate_fired and t.message_id is not None}
         self._hidden = messages[:-PAGE] if len(messages) > PAGE else []
-        widgets = self._views(messages[len(self._hidden):])
+        widgets: list[Widget] = [*self._views(messages[len(self._hidden):])]
         if self._hidden:
             widgets.insert(0, self._more_button())
         await self.mount_all(widgets)

@@ -1,1 +1,2 @@
-"""Offline fits over replay results: the certificate's multiplier, the sketch's layers, statistics and evidence, the adaptive gate's grid."""
+"""Offline fits over replay results: the certificate's multiplier, the sketch's layers, statistics and evidence,
+the adaptive gate's grid."""

@@ -1,18 +1,19 @@
-"""Fit the certificate shown (k and the per-layer drift λ, per model and budget) from coverage-study cells; check it held out.
+"""Fit the certificate shown (k and the per-layer drift λ, per model and budget) from coverage-study cells; check it
+held out.
 
     python -m agent.lab.fits.certificate_multiplier STUDY_DIR... [--calibration seed-02,seed-03,seed-04,seed-05]
         [--held-out seed-00,seed-01] [--write] [--markdown OUT.md]
 
 Each STUDY_DIR is the --out of `certchat replay … --study coverage` (coverage-cells.npz, coverage-turns.json,
 study-coverage.json). Cells of uncertified turns are left out (the gate fires on them whatever they read).
-Per (model, budget, rounds class — agent.gate.certificate.rounds_class: the one-shot protocol's cache went through
-one eviction round, the multi-round protocol's through several), over the calibration scripts' cells: λ_l = the mean of (err² − V̂)/‖ô‖²
-in layer l (floored at 0), then k = the largest over the calibration scripts of the split-conformal quantile
-of err / sqrt(V̂ + λ_l‖ô‖²) over that script's cells (agent.gate.certificate.fit: a conversation's cells are
-dependent, so each calibration conversation is held to nominal). Coverage of the certificate k·sqrt(V̂ + λ_l‖ô‖²) is then reported on the held-out
-scripts per model, budget and protocol (and in-sample, separately), beside a k fitted the same way without
-the drift term and the uncalibrated z forms. --write saves agent/gate/certificate_calibration.json, naming the
-data that fixed it.
+Per (model, budget, rounds class — agent.gate.certificate.rounds_class: the one-shot protocol's cache went through one
+eviction round, the multi-round protocol's through several), over the calibration scripts' cells: λ_l = the mean of
+(err² − V̂)/‖ô‖² in layer l (floored at 0), then k = the largest over the calibration scripts of the split-conformal
+quantile of err / sqrt(V̂ + λ_l‖ô‖²) over that script's cells (agent.gate.certificate.fit: a conversation's cells are
+dependent, so each calibration conversation is held to nominal). Coverage of the certificate k·sqrt(V̂ + λ_l‖ô‖²) is
+then reported on the held-out scripts per model, budget and protocol (and in-sample, separately), beside a k fitted the
+same way without the drift term and the uncalibrated z forms. --write saves agent/gate/certificate_calibration.json,
+naming the data that fixed it.
 
 Where the cells carry phase 1 (studies since the thirteenth session: ``evicted_mass`` per cell, and per question the
 product's ``sketch_evicted_mass``), it also fits the two-phase form k·sqrt(V̂ + (λ_l + μ_l m²)‖ô‖²), whose evicted
@@ -71,8 +72,8 @@ def fit_two_phase(err: np.ndarray, v_hat: np.ndarray, o_norm2: np.ndarray, layer
     lay = np.asarray(layer, dtype=np.int64)
     y = np.where(o2 > 0, (err ** 2 - np.maximum(v, 0.0)) / np.where(o2 > 0, o2, 1.0), 0.0)
     lam, mu = np.zeros(n_layer), np.zeros(n_layer)
-    for l in range(n_layer):
-        sel = (lay == l) & (o2 > 0)
+    for li in range(n_layer):
+        sel = (lay == li) & (o2 > 0)
         if not sel.any():
             continue
         x, t = m[sel] ** 2, y[sel]
@@ -81,7 +82,7 @@ def fit_two_phase(err: np.ndarray, v_hat: np.ndarray, o_norm2: np.ndarray, layer
             a1 = max(0.0, float(t.mean()))
             b1 = max(0.0, float(x @ t / (x @ x))) if x @ x > 0 else 0.0
             a, b = (a1, 0.0) if ((t - a1) ** 2).sum() <= ((t - b1 * x) ** 2).sum() else (0.0, b1)
-        lam[l], mu[l] = a, b
+        lam[li], mu[li] = a, b
     scale = np.sqrt(np.maximum(v, 0.0) + (lam[lay] + mu[lay] * m ** 2) * o2)
     return certificate.largest_group_multiplier(err, scale, groups), lam, mu
 
@@ -92,7 +93,9 @@ def two_phase_coverage(cells: dict[str, np.ndarray], mass: np.ndarray, k: float,
 
     lay = cells["layer"].astype(np.int64)
     cert = k * np.sqrt(np.maximum(cells["v_hat"], 0.0) + (lam[lay] + mu[lay] * mass ** 2) * cells["o_norm2"])
-    return float(np.mean(cells["err"] <= cert)), float(studies.spearman(cert, cells["err"]))
+    rho = studies.spearman(cert, cells["err"])
+    assert rho is not None  # float(None) failed here before: a fit this small has no rank correlation
+    return float(np.mean(cells["err"] <= cert)), float(rho)
 
 
 def subset(entry: dict, scripts: set[str]) -> dict[str, np.ndarray]:
@@ -180,7 +183,8 @@ def main() -> int:
                               "z_token": forms["z_token"]["coverage"], "z_page": forms["z_page"]["coverage"],
                               "sample_error_coverage": forms["shipped_vs_sample_error"]["coverage"],
                               "page_over_token": forms["z_page"]["page_over_token_variance_median"],
-                              "two_phase_exact": two.get("evicted_mass"), "two_phase_sketch": two.get("sketch_evicted_mass")})
+                              "two_phase_exact": two.get("evicted_mass"),
+                              "two_phase_sketch": two.get("sketch_evicted_mass")})
     lines = [f"Certificate fitted on {sorted(cal)} (error `{args.error}`), checked on {sorted(held)}; nominal 95%. "
              "k·√(V̂+λ‖ô‖²): the certificate shown (k the largest of the calibration scripts' conformal "
              "quantiles, and λ per layer with its median here); pooled k: the same form with k the quantile pooled "
@@ -190,7 +194,8 @@ def main() -> int:
              "k·√(V̂+(λ_l+μ_l m²)‖ô‖²) fitted the same way, m the question's attention share on the evicted cells, "
              "exact per cell or as the product's sketch read it (— where the cells do not carry it).", "",
              "| model | budget | protocol | split | k | median λ | cells | coverage k·√(V̂+λ‖ô‖²) | Spearman "
-             "| pooled k | coverage, pooled k | coverage k′·√V̂ | Spearman k′·√V̂ | page-form fit: coverage | Spearman | z·√V̂ token | z·√V̂ page "
+             "| pooled k | coverage, pooled k | coverage k′·√V̂ | Spearman k′·√V̂ | page-form fit: coverage | Spearman "
+             "| z·√V̂ token | z·√V̂ page "
              "| shown vs sample error | median V̂_page/V̂_token | two-phase, exact m: coverage / Spearman "
              "| two-phase, sketch m: coverage / Spearman |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -209,9 +214,9 @@ def main() -> int:
     lines += ["", "Coverage of the certificate shown, per script (* calibration):", "",
               "| model | budget | protocol | per script |", "|---|---|---|---|"]
     for r in per_script:
-        cells = " ".join(f"{'*' if name in cal else ''}{name.removeprefix('seed-')} {c:.3f}"
-                         for name, c in r["coverage"].items())
-        lines.append(f"| {r['model']} | {r['budget']} | {r['protocol']} | {cells} |")
+        coverage_text = " ".join(f"{'*' if name in cal else ''}{name.removeprefix('seed-')} {c:.3f}"
+                                 for name, c in r["coverage"].items())
+        lines.append(f"| {r['model']} | {r['budget']} | {r['protocol']} | {coverage_text} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.markdown:

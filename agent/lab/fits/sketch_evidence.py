@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-
 from agent.gate.decision import recorded_ratios
 from agent.lab.replay import aggregate
 from agent.lab.replay.studies import auc
@@ -80,8 +79,8 @@ def main() -> int:
     print(f"budget {args.budget}: {len(probes)} probes ({len(induced)} eviction-induced failures), {len(others)} other "
           f"turns; messages left out: {sorted(skip) or 'none'}")
     print(f"turn index: AUC probes vs others {auc([r['turn'] for r in probes], [r['turn'] for r in others]):.3f}")
-    print(f"| layer | probes vs others | induced vs all other turns | induced vs other probes | evidence in top {args.top} "
-          f"(of {len(with_evidence)}) |")
+    print(f"| layer | probes vs others | induced vs all other turns | induced vs other probes "
+          f"| evidence in top {args.top} (of {len(with_evidence)}) |")
     print("|---|---|---|---|---|")
 
     def fmt(x: float | None) -> str:

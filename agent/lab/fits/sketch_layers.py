@@ -1,6 +1,7 @@
 """Which layers should the evicted-key sketch keep? ``sketch.max`` recomputed offline for layer subsets.
 
-Input: a replay ``results.json`` (or ``results.json.gz``) recorded with a sketch of many layers (ideally all: ``--sketch-layers 0,…,23``).
+Input: a replay ``results.json`` (or ``results.json.gz``) recorded with a sketch of many layers (ideally all:
+``--sketch-layers 0,…,23``).
 Each turn's ``certificate_detail`` holds, per earlier message with evicted cells, its share of the question's
 attention and its baseline (median over earlier questions) per sketch layer, and its evicted and live cell
 counts (``sketch.messages``, ``sketch.layers``; agent/gate/decision.py ``Gate.read_sketch``). A message's share in one
@@ -23,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-
 
 from agent.gate.decision import recorded_ratios
 from agent.lab.replay import aggregate
@@ -175,7 +174,7 @@ def main() -> int:
           f"{fit[4]} layers int4")
     print("AUC = probe vs all fillers / vs later-half fillers")
     print()
-    print(f"| subset | layers | B/token int8 / int4 | calibration AUC | held-out AUC |")
+    print("| subset | layers | B/token int8 / int4 | calibration AUC | held-out AUC |")
     print("|---|---|---|---|---|")
 
     def row(label: str, idx: Sequence[int] | None, cal_auc: tuple[Any, Any], held_auc: tuple[Any, Any]) -> None:
@@ -186,7 +185,8 @@ def main() -> int:
               f"{_fmt(held_auc[0])} / {_fmt(held_auc[1])} |")
 
     # baselines: the turn index, the run's own sketch.max, every recorded layer, the reference sets
-    row("turn index", None, aucs(cal.turns, [t.turn for t in cal.turns]), aucs(held.turns, [t.turn for t in held.turns]))
+    row("turn index", None, aucs(cal.turns, [t.turn for t in cal.turns]),
+        aucs(held.turns, [t.turn for t in held.turns]))
     row("recorded sketch.max", None, aucs(cal.turns, [t.recorded or 0.0 for t in cal.turns]),
         aucs(held.turns, [t.recorded or 0.0 for t in held.turns]))
     everything = list(range(len(layers)))
@@ -196,8 +196,8 @@ def main() -> int:
         named[text] = tuple(int(x) for x in text.split(","))
     for label, ref in named.items():
         if all(x in pos for x in ref):
-            idx = [pos[x] for x in ref]
-            row(label, idx, cal.auc_pair(idx), held.auc_pair(idx))
+            ref_idx = [pos[x] for x in ref]
+            row(label, ref_idx, cal.auc_pair(ref_idx), held.auc_pair(ref_idx))
     # candidates: every subset up to --exhaustive layers, then greedy forward steps up to the most that fit
     n_max = max(fit.values())
     scored: dict[tuple[int, ...], tuple[float, float]] = {}
@@ -226,7 +226,7 @@ def main() -> int:
         print(f"best on calibration within {args.max_bytes} B at int{bits} (≤ {fit[bits]} layers; ties: the larger "
               "log(median probe / 90th percentile of later fillers), then fewer layers):")
         print()
-        print(f"| subset | layers | B/token int8 / int4 | calibration AUC | held-out AUC |")
+        print("| subset | layers | B/token int8 / int4 | calibration AUC | held-out AUC |")
         print("|---|---|---|---|---|")
         for idx in best:
             row(f"{_name([layers[i] for i in idx])} (margin {margins[idx]:.2f})", idx, scored[idx], held.auc_pair(idx))

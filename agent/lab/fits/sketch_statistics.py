@@ -2,8 +2,8 @@
 
 Input: replay or ``certchat demo long`` results (results.json[.gz], shards or folders) holding an evicting run without
 the gate (``--policy``, ``--budget``; default poisson at 10%) and, for the induced-failure column, the full run of the
-same scripts. Each turn's recorded ``sketch.messages`` (agent/gate/decision.py ``Gate.read_sketch``) gives, per message with
-evicted cells, its share of the question's attention and its baseline in each sketch layer. Over the messages more
+same scripts. Each turn's recorded ``sketch.messages`` (agent/gate/decision.py ``Gate.read_sketch``) gives, per message
+with evicted cells, its share of the question's attention and its baseline in each sketch layer. Over the messages more
 than half evicted with a baseline, per turn:
 
 - ``sketch.max``: max over messages and layers of share / max(base, SHARE_FLOOR) — the shipped statistic;
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-
 
 from agent.gate.decision import SHARE_FLOOR, recorded_shares
 from agent.lab.replay import aggregate

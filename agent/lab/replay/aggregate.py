@@ -15,8 +15,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from agent.eviction import policies
 from agent.errors import ExplainedError
+from agent.eviction import policies
 
 FORMAT = "certchat-replay-results"
 VERSION = 1

@@ -15,8 +15,17 @@ from typing import Any, Callable
 from agent import models
 from agent.config import Config
 from agent.lab.replay import aggregate, report
-from agent.lab.replay.runner import (PROTOCOLS, Job, Runner, RunError, default_store_path, estimate_n_ctx, plan_jobs,
-                                 shard, unique_names)
+from agent.lab.replay.runner import (
+    PROTOCOLS,
+    Job,
+    RunError,
+    Runner,
+    default_store_path,
+    estimate_n_ctx,
+    plan_jobs,
+    shard,
+    unique_names,
+)
 from agent.lab.replay.script import Script, Step
 
 
@@ -59,7 +68,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
         on_job: Callable[[Job, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run every job of the batch; returns the results document (also written to ``settings.out``)."""
     from agent.llm.engine import Engine, EngineSettings  # noqa: PLC0415 — loads llama.cpp
-    from agent.lab.replay.replay_store import ReplayStore  # noqa: PLC0415
+    from memory_store.store import Store  # noqa: PLC0415
     from native import llama  # noqa: PLC0415
 
     for protocol in settings.protocols:
@@ -111,7 +120,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
     runs: list[dict[str, Any]] = []
     engine = Engine(EngineSettings.from_config(cfg, model_path, n_ctx=n_ctx))
     meta["n_layer"] = engine.info.n_layer
-    store = ReplayStore(default_store_path(settings.out, settings.shard))
+    store = Store(default_store_path(settings.out, settings.shard))
     total = sum(len(by_name[j.script].steps) for j in jobs)
     try:
         with _progress(settings.progress, total) as advance:
@@ -163,8 +172,14 @@ class _progress:
         if not self.enabled:
             return lambda label: None
         from rich.console import Console  # noqa: PLC0415
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,  # noqa: PLC0415
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (  # noqa: PLC0415
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                              TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),

@@ -21,12 +21,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from agent.gate.certificate import CertificateForm
 from native.ggml_tensor import GGML_TYPE_F16, GgmlTensor, read
+
+if TYPE_CHECKING:
+    from memory_store.records import Message
 
 
 @dataclass
@@ -52,7 +55,7 @@ class _Recorder:
     n_layer: int
     armed: bool = False
     layers: dict[int, LayerCapture] = field(default_factory=dict)
-    pending: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    pending: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from native import runtime  # noqa: PLC0415
@@ -217,7 +220,7 @@ def coverage_cells(layers: dict[int, LayerCapture], n_live: int, protect_from: i
             if cap.out is not None:
                 o = p[-1] @ cap.v[h // group, :n].astype(np.float64)
                 ref = cap.out[h, -1].astype(np.float64)
-                max_check = max(max_check, float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-12)))
+                max_check = max(max_check, float(np.linalg.norm(o - ref) / max(float(np.linalg.norm(ref)), 1e-12)))
     positions = cell_pos.astype(np.int64)
     protected = positions >= protect_from
     protected[: cfg.sinks] = True
@@ -259,6 +262,12 @@ def coverage_cells(layers: dict[int, LayerCapture], n_live: int, protect_from: i
     return cells, info
 
 
+def _tokens(message: Message) -> np.ndarray:
+    """A stored message's tokens, for the messages the study kept because they have them."""
+    assert message.tokens is not None
+    return message.tokens
+
+
 def run_coverage_draws(scripts: list[Any], settings: Any, base: Any, draws: int = 8) -> dict[str, Any]:
     """The coverage study over the scripts' probes (see the module docstring).
 
@@ -289,7 +298,7 @@ def run_coverage_draws(scripts: list[Any], settings: Any, base: Any, draws: int 
         for run in doc["runs"]:
             messages = [m for m in store.messages(run["conversation_id"]) if m.tokens is not None]
             kept = [m for m in messages if not m.meta.get("discarded")]
-            n_ctx = ((sum(len(m.tokens) for m in messages) + 1024) // 256 + 1) * 256
+            n_ctx = ((sum(len(_tokens(m)) for m in messages) + 1024) // 256 + 1) * 256
             cap = FullCacheProbe(model_path, n_ctx, threads=settings.threads or 1, window=base.question_window)
             try:
                 fed: list[int] = []
@@ -299,15 +308,15 @@ def run_coverage_draws(scripts: list[Any], settings: Any, base: Any, draws: int 
                         continue
                     # the shared history before this probe, then the probe's own question
                     prefix = [m for m in kept if m.index < user_msg.index]
-                    toks = [int(t) for m in prefix for t in m.tokens] + [int(t) for t in user_msg.tokens]
-                    segs = [m.index for m in prefix for _ in m.tokens] + [user_msg.index] * len(user_msg.tokens)
+                    toks = [int(t) for m in prefix for t in _tokens(m)] + [int(t) for t in _tokens(user_msg)]
+                    segs = [m.index for m in prefix for _ in _tokens(m)] + [user_msg.index] * len(_tokens(user_msg))
                     common = 0
                     while common < min(len(fed), len(toks)) and fed[common] == toks[common]:
                         common += 1
                     cap.rewind(common)  # an independent probe's question is not part of later history
                     layers = cap.feed(toks[common:], capture=True)
                     fed = toks
-                    protect_from = len(toks) - len(user_msg.tokens)
+                    protect_from = len(toks) - len(_tokens(user_msg))
                     info: dict[str, Any] = {"script": run["script"], "turn": step["turn"], "designs": {}}
                     for label, cfg, share in designs:
                         cells, design_info = coverage_cells(layers, len(toks), protect_from, np.asarray(segs), share,
@@ -342,18 +351,18 @@ def run_coverage_draws(scripts: list[Any], settings: Any, base: Any, draws: int 
 # graph on the same cells, so its weights, values and outputs are the ones the chat computed — and a
 # third context holds the full history, so the full cache's output for those rows is known too.
 
-CELL_FIELDS = ("layer", "head", "row", "err", "err_e2e", "err_design", "v_hat", "o_norm2", "v_hat_token_np", "v_hat_page_np",
-               "evicted_mass", "ht_evicted_mass", "spread")
-"""Per cell (question row × layer × head): ``err`` ‖ô − o‖ with o the full cache's output for the *same* query
-vector (the evicted run's), ``err_e2e`` against the full run's own output at that layer (earlier layers' and
-earlier rounds' drift included), ``err_design`` against the same query over this run's own K/V for the
-kept cells and the full run's for the evicted ones (the sample's error alone), ``v_hat``/``o_norm2`` the product's in-graph terms (what the gate turns into
-the certificate), ``v_hat_token_np`` the same token form recomputed in numpy from the captured tensors (a
-check), ``v_hat_page_np`` the page form (:func:`native.poisson.page_variance`) for the design drawn;
-``evicted_mass`` the share of the full-history softmax (the same query, the full run's keys) on the evicted
-positions — what an exact sketch of that layer estimates, phase 1 of the two-phase design —,
-``ht_evicted_mass`` the sample's own estimate of it, Σ_S (1 − π_i) p_i (what the −log π biases impute), and ``spread`` the
-kept values' attention-weighted spread Σ_S p_i‖v_i − ô‖² around the output (the graph's weights, with biases)."""
+CELL_FIELDS = ("layer", "head", "row", "err", "err_e2e", "err_design", "v_hat", "o_norm2", "v_hat_token_np",
+               "v_hat_page_np", "evicted_mass", "ht_evicted_mass", "spread")
+"""Per cell (question row × layer × head): ``err`` ‖ô − o‖ with o the full cache's output for the *same* query vector
+(the evicted run's), ``err_e2e`` against the full run's own output at that layer (earlier layers' and earlier rounds'
+drift included), ``err_design`` against the same query over this run's own K/V for the kept cells and the full run's for
+the evicted ones (the sample's error alone), ``v_hat``/``o_norm2`` the product's in-graph terms (what the gate turns
+into the certificate), ``v_hat_token_np`` the same token form recomputed in numpy from the captured tensors (a check),
+``v_hat_page_np`` the page form (:func:`native.poisson.page_variance`) for the design drawn; ``evicted_mass`` the share
+of the full-history softmax (the same query, the full run's keys) on the evicted positions — what an exact sketch of
+that layer estimates, phase 1 of the two-phase design —, ``ht_evicted_mass`` the sample's own estimate of it,
+Σ_S (1 − π_i) p_i (what the −log π biases impute), and ``spread`` the kept values' attention-weighted spread
+Σ_S p_i‖v_i − ô‖² around the output (the graph's weights, with biases)."""
 
 
 class EvictedReplica:
@@ -577,10 +586,10 @@ class ProductCoverage:
         setattr(owner, name, make(orig))
 
     def __enter__(self) -> "ProductCoverage":
-        from agent.llm import engine as engine_mod  # noqa: PLC0415
         from agent.gate import decision as gate_mod  # noqa: PLC0415
-        from agent.llm import template as template_mod  # noqa: PLC0415
         from agent.lab.replay import runner as runner_mod  # noqa: PLC0415
+        from agent.llm import engine as engine_mod  # noqa: PLC0415
+        from agent.llm import template as template_mod  # noqa: PLC0415
         from native import poisson  # noqa: PLC0415
 
         seen = self.seen
@@ -750,7 +759,7 @@ def coverage_forms(cells: dict[str, np.ndarray], form: CertificateForm, n_layer:
              "shipped_vs_full_run": (shipped, cells["err_e2e"]),
              "shipped_vs_sample_error": (shipped, cells["err_design"]),
              "z_page_vs_sample_error": (Z95 * sd_page, cells["err_design"])}
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, (cert, err) in forms.items():
         out[name] = {"n_cells": int(len(err)), "coverage": float(np.mean(err <= cert)),
                      "spearman": studies.spearman(cert, err),
@@ -786,8 +795,9 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
         arrays = {label: obs.arrays(label) for label in labels}
         turns = list(obs.seen.turns)
         fallback = obs.fallback_template
-    np.savez_compressed(out_dir / "coverage-cells.npz",
-                        **{f"{label}|{k}": v for label, a in arrays.items() for k, v in a.items()})
+    flat = {f"{label}|{k}": v for label, a in arrays.items() for k, v in a.items()}
+    # numpy's stub reads **kwds as if they could fill allow_pickle: bool; these keys are "label|field" names
+    np.savez_compressed(out_dir / "coverage-cells.npz", **flat)  # type: ignore[arg-type]
     (out_dir / "coverage-turns.json").write_text(json.dumps(turns, indent=0) + "\n", encoding="utf-8")
     rows = []
     model_name = settings.model or base.model
@@ -811,8 +821,9 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
                      "turns": len(mine), "uncertified_turns": sum(t["uncertified"] for t in mine),
                      "forms": coverage_forms(sub, form, n_layer), "by_script": by_script,
                      "checks": {c: max((t[c] for t in mine), default=None)
-                                for c in ("out_rel", "full_out_rel", "token_np_vs_graph_rel", "token_np_vs_graph_rel_median",
-                                          "mask_mismatch", "rounds_logpi_gap", "layers_skipped")}})
+                                for c in ("out_rel", "full_out_rel", "token_np_vs_graph_rel",
+                                          "token_np_vs_graph_rel_median", "mask_mismatch", "rounds_logpi_gap",
+                                          "layers_skipped")}})
     head = next((r for r in rows if r["forms"]), None)
     shipped = head["forms"]["shipped"] if head else {}
     return {"study": "coverage", "meta": doc["meta"], "nominal": certificate.NOMINAL,

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.lab.replay.script import Probe, Script, ScriptError, Step
 from agent.errors import ExplainedError
+from agent.lab.replay.script import Probe, Script, ScriptError, Step
 
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 DEFAULT_CATEGORIES = (1, 2, 3, 4)
@@ -107,9 +107,9 @@ def convert(name: str, sample: dict[str, Any], options: Options = Options()) -> 
     messages: list[tuple[str, list[str]]] = []
     where: dict[str, int] = {}
     for number, date, turns in sessions:
-        for i, turn in enumerate(turns):
-            role = "user" if turn.get("speaker") == speaker_a else "assistant"
-            line = _line(turn)
+        for i, utterance in enumerate(turns):
+            role = "user" if utterance.get("speaker") == speaker_a else "assistant"
+            line = _line(utterance)
             if i == 0 and date:
                 line = f"(Session {number}, {date})\n{line}"
             if not messages and role == "assistant":
@@ -118,8 +118,8 @@ def convert(name: str, sample: dict[str, Any], options: Options = Options()) -> 
                 messages[-1][1].append(line)
             else:
                 messages.append((role, [line]))
-            if turn.get("dia_id"):
-                where[str(turn["dia_id"])] = len(messages) - 1
+            if utterance.get("dia_id"):
+                where[str(utterance["dia_id"])] = len(messages) - 1
 
     steps: list[Step] = []
     turn_of_message: dict[int, int] = {}
@@ -142,8 +142,8 @@ def convert(name: str, sample: dict[str, Any], options: Options = Options()) -> 
     probe_turn = turn + 1  # independent probes take the next turn's number
     for k, q in enumerate(qa):
         evidence = _EVIDENCE.findall(" ".join(map(str, q.get("evidence", []))))
-        turns = [turn_of_message[where[f"D{s}:{d}"]] for s, d in evidence if f"D{s}:{d}" in where]
-        fact_turn = min(turns) if turns else None
+        evidence_turns = [turn_of_message[where[f"D{s}:{d}"]] for s, d in evidence if f"D{s}:{d}" in where]
+        fact_turn = min(evidence_turns) if evidence_turns else None
         answer = str(q["answer"])
         steps.append(Step(probe_turn, f"Question about our conversation: {q['question']} "
                                       "Answer with a short phrase.", len(messages) + k + 1,

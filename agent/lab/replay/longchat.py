@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from agent.errors import ExplainedError
 from agent.lab.replay.longchat_facts import FACTS, Fact, reply
 from agent.lab.replay.script import Probe, Script, ScriptError, Step
 from agent.lab.replay.script import load as load_script
-from agent.errors import ExplainedError
 
 FIXTURE_MODEL = "qwen2.5-coder-0.5b"
 """Whose tokenizer and chat template define a script's length."""

@@ -25,7 +25,7 @@ from agent import models
 from agent.config import Config
 from agent.lab.replay import aggregate, report
 from agent.lab.replay.batch import Settings, results_path
-from agent.lab.replay.runner import Job, Runner, RunError, default_store_path, plan_jobs, shard, unique_names
+from agent.lab.replay.runner import Job, RunError, Runner, default_store_path, plan_jobs, shard, unique_names
 from agent.lab.replay.script import Script, Step
 
 POLICIES = "full,topk,poisson,poisson+gate"
@@ -80,7 +80,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
         log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> dict[str, Any]:
     """Every job, one engine; the results document (also written after each job)."""
     from agent.llm.engine import Engine, EngineSettings  # noqa: PLC0415 — loads llama.cpp
-    from agent.lab.replay.replay_store import ReplayStore  # noqa: PLC0415
+    from memory_store.store import Store  # noqa: PLC0415
 
     scripts = unique_names(scripts)
     by_name = {s.name: s for s in scripts}
@@ -112,7 +112,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
     log(f"demo long: {len(jobs)} jobs on {', '.join(s.name for s in scripts)}; model {display}, "
         f"{cfg.threads} threads, n_ctx {n_ctx}, max_tokens {cfg.max_tokens}")
     engine = Engine(EngineSettings.from_config(cfg, model_path, n_ctx=n_ctx))
-    store = ReplayStore(default_store_path(settings.out, settings.shard))
+    store = Store(default_store_path(settings.out, settings.shard))
     runs: list[dict[str, Any]] = []
     clock: dict[str, Any] = {}
 

@@ -214,9 +214,9 @@ def generate_fixtures(seeds: tuple[int, ...], model: str = FIXTURE_MODEL, direct
     import tempfile  # noqa: PLC0415
 
     from agent import models  # noqa: PLC0415
+    from agent.chat.session import ChatSession  # noqa: PLC0415
     from agent.config import Config  # noqa: PLC0415
     from agent.llm.engine import Engine, EngineSettings  # noqa: PLC0415
-    from agent.chat.session import ChatSession  # noqa: PLC0415
     from memory_store.store import Store  # noqa: PLC0415
 
     path = models.resolve(model)

@@ -198,7 +198,8 @@ def plots(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
             pts = [(s["turn"], s["certificate"]) for r in cert_runs for s in r["steps"]
                    if s["kind"] == kind and s["certificate"] is not None]
             if pts:
-                ax.scatter(*zip(*pts), marker=marker, s=14, label=kind, alpha=0.7)
+                turns, values = zip(*pts)
+                ax.scatter(turns, values, marker=marker, s=14, label=kind, alpha=0.7)
         plot_thresholds(ax, cert_runs)
         ax.set_xlabel("user turn")
         ax.set_ylabel("turn certificate (gate statistic)")

@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agent import events as ev
+from agent.config import Budget, Config
+from agent.errors import ExplainedError
 from agent.eviction import policies
-from agent.config import Config, parse_budget
 from agent.lab.replay import scoring
 from agent.lab.replay.aggregate import summarize
 from agent.lab.replay.script import Script, Step
-from agent.errors import ExplainedError
 
 POLICY_NAMES = policies.REPLAY_NAMES
 PROTOCOLS = ("multi-round", "one-shot")
@@ -97,7 +97,7 @@ def parse_policies(text: str) -> list[str]:
 def parse_budgets(text: str) -> list[str]:
     budgets = [b.strip() for b in text.split(",") if b.strip()]
     for b in budgets:
-        parse_budget(b)  # ConfigError names the bad value
+        Budget.parse(b)  # ConfigError names the bad value
     if not budgets:
         raise RunError("--budget: give at least one budget, e.g. 10% or 10%,25%")
     return list(dict.fromkeys(budgets))
@@ -267,8 +267,8 @@ class Runner:
               answer: str | None = None) -> tuple[Any, _Watch]:
         """One step on the session: ``mode`` is send, forced, replaced or independent (see ``agent.lab.replay.drive``);
         ``answer``: the text a forced or replaced answer becomes (default: the script's)."""
-        from agent.lab.replay import drive  # noqa: PLC0415 — loads llama.cpp
         from agent.chat.session import InputError  # noqa: PLC0415
+        from agent.lab.replay import drive  # noqa: PLC0415 — loads llama.cpp
 
         watch = _Watch(peak_cells=self.engine.live_cells)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from memory_store import jsonl
 from agent.errors import ExplainedError
+from memory_store import jsonl
 
 
 class ScriptError(ExplainedError, ValueError):

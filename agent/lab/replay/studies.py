@@ -33,6 +33,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from agent.gate import calibration, certificate
+
 RATES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 FILLER_TARGET = 0.1
 """Calibration target: the default τ lets the gate fire on at most this share of filler turns."""
@@ -45,7 +47,7 @@ raises its own)."""
 
 
 # -- statistics --------------------------------------------------------------------------
-def auc(positive: Iterable[float], negative: Iterable[float]) -> float | None:
+def auc(positive: Iterable[float | None], negative: Iterable[float | None]) -> float | None:
     """ROC AUC = P(score of a positive > score of a negative), ties counting one half."""
     pos = np.asarray([p for p in positive if p is not None and not math.isnan(p)], dtype=np.float64)
     neg = np.asarray([n for n in negative if n is not None and not math.isnan(n)], dtype=np.float64)
@@ -71,7 +73,7 @@ def _rank(x: np.ndarray) -> np.ndarray:
     return ranks
 
 
-def auc_ci(positive: list[float], negative: list[float], n_boot: int = 1000,
+def auc_ci(positive: Iterable[float | None], negative: Iterable[float | None], n_boot: int = 1000,
            seed: int = 0) -> tuple[float | None, float | None]:
     """Percentile bootstrap 95% interval of the AUC (resampling each class)."""
     pos = [p for p in positive if p is not None and not math.isnan(p)]
@@ -348,9 +350,9 @@ def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budg
             if not need:
                 return None
             return float(need[int(math.floor((1 - probe_target) * (len(need) - 1) + 1e-9))])
-        vals = sorted((statistics_of(s).get(statistic) for s in sample if s["kind"] == "filler"),
-                      key=lambda v: -math.inf if v is None else v)
-        vals = [v for v in vals if v is not None]
+        ranked = sorted((statistics_of(s).get(statistic) for s in sample if s["kind"] == "filler"),
+                        key=lambda v: -math.inf if v is None else v)
+        vals = [v for v in ranked if v is not None]
         if not vals:
             return None
         # the gate fires when value ≥ τ: put τ just above the (1 − target) quantile of the fillers
@@ -452,8 +454,6 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
     if not matches:
         raise ValueError(f"no calibration of {statistic} ({protocol}) in this study")
     best = max(matches, key=lambda c: len(c["budgets"]))
-    from agent.gate import calibration  # noqa: PLC0415
-    from agent.gate import certificate  # noqa: PLC0415
 
     # the certificate calibration the replayed statistics were read in (the one shipped when they ran): the gate
     # reads a certificate statistic in it, whatever the certificate shown becomes (calibration.tau_form)
@@ -468,7 +468,8 @@ def calibration_record(result: dict[str, Any], statistic: str, protocol: str = "
             "leave_one_script_out": best["leave_one_script_out"],
             **({"sketch": _sketch_spec(result["meta"])} if statistic.startswith("sketch.") else {}),
             "model": result["meta"].get("model"),
-            # the GGUF the record holds for (agent.gate.calibration.covers): on another model the gate keeps the cache full
+            # the GGUF the record holds for (agent.gate.calibration.covers): on another model the gate keeps the
+            # cache full
             "model_sha256": result["meta"].get("model_sha256"), "command": result["meta"].get("command"),
             "study_command": result.get("command"), "machine": result["meta"].get("machine"),
             # the other rule's threshold for the same statistic, so the choice is visible
