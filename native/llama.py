@@ -16,7 +16,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -304,6 +304,10 @@ class ContextParams:
     """Flash attention; must stay off while certificates are computed."""
     swa_full: bool = True
     """Full-size sliding-window cache (llama.cpp's default)."""
+    eval_callback: Callable[[int, bool], bool] | None = None
+    """llama.cpp's graph callback (``cb_eval``), for a study that reads the graph's tensors: called with a node's
+    address and ``ask`` True to ask whether to observe it, then, for the nodes it wanted, with ``ask`` False once the
+    node is computed (read it with ``native.ggml_tensor``)."""
 
 
 class Context:
@@ -324,6 +328,14 @@ class Context:
         cp.flash_attn_type = 1 if params.flash_attn else 0
         cp.swa_full = params.swa_full
         cp.no_perf = True
+        self._eval_callback: Any = None
+        if params.eval_callback is not None:
+            observe = params.eval_callback
+            # kept on the context: llama.cpp holds only the C pointer
+            self._eval_callback = self._lib.ggml_backend_sched_eval_callback(
+                lambda tensor, ask, _user: bool(observe(int(tensor), bool(ask))))
+            cp.cb_eval = self._eval_callback
+            cp.cb_eval_user_data = None
         handle = self._lib.llama_init_from_model(model.handle, cp)
         if not handle:
             raise ContextError(

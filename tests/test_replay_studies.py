@@ -7,27 +7,27 @@ import math
 import numpy as np
 import pytest
 
-from agent.lab.replay import aggregate, studies
+from agent.lab.replay import aggregate, rank_stats, studies
 
 
 def test_auc_values() -> None:
-    assert studies.auc([3, 4, 5], [0, 1, 2]) == 1.0
-    assert studies.auc([0, 1], [2, 3]) == 0.0
-    assert studies.auc([1, 1], [1, 1]) == 0.5
-    assert studies.auc([2, 0], [1]) == 0.5
-    assert studies.auc([], [1]) is None and studies.auc([1, None, math.nan], [0]) == 1.0
+    assert rank_stats.auc([3, 4, 5], [0, 1, 2]) == 1.0
+    assert rank_stats.auc([0, 1], [2, 3]) == 0.0
+    assert rank_stats.auc([1, 1], [1, 1]) == 0.5
+    assert rank_stats.auc([2, 0], [1]) == 0.5
+    assert rank_stats.auc([], [1]) is None and rank_stats.auc([1, None, math.nan], [0]) == 1.0
     rng = np.random.default_rng(0)
     pos, neg = rng.normal(1, 1, 400), rng.normal(0, 1, 400)
     # the Mann-Whitney AUC of two unit normals one sd apart is Φ(1/√2) ≈ 0.76
-    assert studies.auc(pos, neg) == pytest.approx(0.76, abs=0.04)
-    lo, hi = studies.auc_ci(list(pos), list(neg), n_boot=200)
-    assert lo < studies.auc(pos, neg) < hi
+    assert rank_stats.auc(pos, neg) == pytest.approx(0.76, abs=0.04)
+    lo, hi = rank_stats.auc_ci(list(pos), list(neg), n_boot=200)
+    assert lo < rank_stats.auc(pos, neg) < hi
 
 
 def test_spearman() -> None:
-    assert studies.spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
-    assert studies.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert studies.spearman([1, 1, 1], [1, 2, 3]) is None
+    assert rank_stats.spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
+    assert rank_stats.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert rank_stats.spearman([1, 1, 1], [1, 2, 3]) is None
 
 
 def _step(lineno: int, kind: str, correct: bool | None, cert: float | None, logprob: float | None = None) -> dict:
@@ -86,9 +86,9 @@ def test_gating_curves_against_random_and_confidence() -> None:
     assert row["statistics"]["confidence"]["over_turns"] == []
     assert row["statistics"]["confidence"]["gain_ratio_vs_random"] is None
     assert q["auc_probe_vs_filler"] == pytest.approx(
-        studies.auc([0.9] * 4 + [0.1] * 4, [0.95] + [0.05] * 9))
+        rank_stats.auc([0.9] * 4 + [0.1] * 4, [0.95] + [0.05] * 9))
     # the later half of the script (turns 9–17 of 17) leaves out the loud filler at turn 8
-    assert q["auc_probe_vs_late_filler"] == pytest.approx(studies.auc([0.9] * 4 + [0.1] * 4, [0.05] * 9))
+    assert q["auc_probe_vs_late_filler"] == pytest.approx(rank_stats.auc([0.9] * 4 + [0.1] * 4, [0.05] * 9))
     # the fillers come after the probes here: turn position alone scores 0 against them either way
     assert row["statistics"]["turn_index"]["auc_probe_vs_late_filler"] == 0.0
     # over all turns the one loud filler takes a gate slot
@@ -178,7 +178,7 @@ def test_studies_need_a_full_reference() -> None:
 def test_coverage_summary() -> None:
     cells = [{"layer": layer, "head": h, "certificate": 1.0, "error": 0.5 if h else 2.0}
              for layer in range(2) for h in range(4)]
-    c = studies.coverage(cells)
+    c = rank_stats.coverage(cells)
     assert c["n_cells"] == 8 and c["coverage"] == 0.75 and c["per_layer"] == {"0": 0.75, "1": 0.75}
 
 

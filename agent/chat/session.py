@@ -390,13 +390,10 @@ class ChatSession:
                           list(self._turn_certs))
 
     def rollback(self, checkpoint: Checkpoint) -> None:
-        """Put the cache back as :meth:`checkpoint` found it. The eviction rounds since then stay in the log, so
-        the round counter goes on from them: the next eviction is logged under a new number, with new draws."""
-        rounds_done = self.memory.round
+        """Put the cache back as :meth:`checkpoint` found it (the eviction rounds since then stay logged)."""
         self.gate.discard_turn()
         self.engine.restore(checkpoint.engine)
-        self.memory.restore(checkpoint.memory)
-        self.memory.round = rounds_done
+        self.memory.roll_back(checkpoint.memory)
         self._segments, self._turn_certs = list(checkpoint.segments), list(checkpoint.certificates)
 
     def replace_answer(self, turn: Turn, text: str) -> None:

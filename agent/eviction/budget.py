@@ -67,6 +67,8 @@ class CacheManager:
         self.planned: Hook[[int, np.ndarray, Any]] = Hook()
         """Heard after every eviction plan, before it is applied: (its round, the live positions it scored, the
         plan)."""
+        self.rolled_back: Hook[[int, int]] = Hook()
+        """Heard when :meth:`roll_back` undoes rounds [first, end): the cache is as it was before them."""
         self._longest = 0
         """The longest history this conversation's cache has held (a re-read starts the cache from position 0,
         but the history it reads is no shorter: eviction, once begun, goes on)."""
@@ -178,6 +180,14 @@ class CacheManager:
 
     def restore(self, snap: Any) -> None:
         self.round, self._importance, self._longest = snap[0], list(snap[1]), snap[2]
+
+    def roll_back(self, snap: Any) -> None:
+        """Back to :meth:`snapshot`'s readings after a turn that is forgotten (an independent probe's, a cancelled
+        re-read's). The rounds it evicted stay in the log, so the round counter goes on from them: the next
+        eviction is logged under a new number, with new draws."""
+        forgotten = (snap[0], self.round)
+        self._importance, self._longest = list(snap[1]), snap[2]
+        self.rolled_back(*forgotten)
 
     # -- budget ----------------------------------------------------------------------------
     def budget_cells(self, history: int | None = None) -> int | None:

@@ -89,11 +89,11 @@ def fit_two_phase(err: np.ndarray, v_hat: np.ndarray, o_norm2: np.ndarray, layer
 
 def two_phase_coverage(cells: dict[str, np.ndarray], mass: np.ndarray, k: float, lam: np.ndarray,
                        mu: np.ndarray) -> tuple[float, float]:
-    from agent.lab.replay import studies  # noqa: PLC0415
+    from agent.lab.replay.rank_stats import spearman  # noqa: PLC0415
 
     lay = cells["layer"].astype(np.int64)
     cert = k * np.sqrt(np.maximum(cells["v_hat"], 0.0) + (lam[lay] + mu[lay] * mass ** 2) * cells["o_norm2"])
-    rho = studies.spearman(cert, cells["err"])
+    rho = spearman(cert, cells["err"])
     assert rho is not None  # float(None) failed here before: a fit this small has no rank correlation
     return float(np.mean(cells["err"] <= cert)), float(rho)
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from agent.gate.decision import recorded_ratios
 from agent.lab.replay import aggregate
-from agent.lab.replay.studies import auc
+from agent.lab.replay.rank_stats import auc
 
 
 def _runs(paths: list[Path], policy: str, budget: str | None) -> list[dict[str, Any]]:

@@ -33,7 +33,7 @@ import numpy as np
 
 from agent.gate.decision import recorded_ratios
 from agent.lab.replay import aggregate
-from agent.lab.replay.studies import auc
+from agent.lab.replay.rank_stats import auc
 from native import sketch
 
 REFERENCE_SETS = {"DESIGN §8 / sixth session (11,13–16,20–23)": (11, 13, 14, 15, 16, 20, 21, 22, 23),

@@ -32,7 +32,7 @@ import numpy as np
 
 from agent.gate.decision import SHARE_FLOOR, recorded_shares
 from agent.lab.replay import aggregate
-from agent.lab.replay.studies import auc, spearman
+from agent.lab.replay.rank_stats import auc, spearman
 
 Rows = list[tuple[np.ndarray, np.ndarray]]
 """Per mostly evicted message with a baseline: (share per layer, baseline per layer)."""

@@ -65,7 +65,8 @@ def _model_identity(name_or_path: str) -> tuple[Path, str, str]:
 
 
 def run(scripts: list[Script], settings: Settings, base: Config,
-        on_job: Callable[[Job, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        on_job: Callable[[Job, dict[str, Any]], None] | None = None,
+        observe: Callable[[Runner], None] | None = None) -> dict[str, Any]:
     """Run every job of the batch; returns the results document (also written to ``settings.out``)."""
     from agent.llm.engine import Engine, EngineSettings  # noqa: PLC0415 — loads llama.cpp
     from memory_store.store import Store  # noqa: PLC0415
@@ -129,6 +130,8 @@ def run(scripts: list[Script], settings: Settings, base: Config,
 
             runner = Runner(cfg, engine, display, store, gate=settings.gate, on_step=on_step,
                             generate_fillers=settings.generate_fillers)
+            if observe is not None:
+                observe(runner)  # a study subscribes to the runner's, the engine's and each session's hooks
             for n, job in enumerate(jobs, start=1):
                 run_record = runner.run(job, by_name[job.script])
                 runs.append(run_record)

@@ -16,7 +16,6 @@ Two ways, both here:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agent.gate.certificate import CertificateForm
-from native.ggml_tensor import GGML_TYPE_F16, GgmlTensor, read
+from native.ggml_tensor import GgmlTensor, read
 
 if TYPE_CHECKING:
     from memory_store.records import Message
@@ -57,12 +56,8 @@ class _Recorder:
     layers: dict[int, LayerCapture] = field(default_factory=dict)
     pending: dict[int, dict[str, Any]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        from native import runtime  # noqa: PLC0415
-
-        self.callback = runtime.llama_cpp().ggml_backend_sched_eval_callback(self._on_tensor)
-
-    def _on_tensor(self, tensor: int, ask: bool, _user: Any) -> bool:
+    def on_tensor(self, tensor: int, ask: bool) -> bool:
+        """The context's graph callback (``ContextParams.eval_callback``): capture the attention's nodes."""
         if not self.armed:
             return False
         name = GgmlTensor.from_address(tensor).name.decode()
@@ -92,31 +87,13 @@ class _Recorder:
         return True
 
 
-def _load_cpu_model(lc: Any, model_path: Path) -> Any:
-    """The model's weights on the CPU, through llama.cpp's C API (the study's own contexts, not an Engine)."""
-    params = lc.llama_model_default_params()
-    params.n_gpu_layers = 0
-    model = lc.llama_model_load_from_file(str(model_path).encode(), params)
-    if not model:
-        raise RuntimeError(f"could not load {model_path}")
-    return model
+def _capture_context(model: Any, n_ctx: int, threads: int, rec: "_Recorder") -> Any:
+    """A context on ``model`` whose every graph node passes ``rec``'s callback: F16 cache, 512-token batches, no
+    flash attention (the kq / kqv nodes exist only without it)."""
+    from native import llama  # noqa: PLC0415
 
-
-def _capture_context(lc: Any, model: Any, n_ctx: int, threads: int, rec: "_Recorder", what: str) -> Any:
-    """A context on ``model`` whose every graph node passes ``rec``'s callback: F16 cache, 512-token batches."""
-    cp = lc.llama_context_default_params()
-    cp.n_ctx = n_ctx
-    cp.n_batch = cp.n_ubatch = 512
-    cp.n_threads = cp.n_threads_batch = threads
-    cp.flash_attn_type = 0  # the kq / kqv nodes exist only without flash attention
-    cp.type_k = cp.type_v = GGML_TYPE_F16
-    cp.no_perf = True
-    cp.cb_eval = rec.callback
-    cp.cb_eval_user_data = None
-    ctx = lc.llama_init_from_model(model, cp)
-    if not ctx:
-        raise RuntimeError(f"could not create the {what} context")
-    return ctx
+    return llama.Context(model, llama.ContextParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                                                    flash_attn=False, eval_callback=rec.on_tensor))
 
 
 class FullCacheProbe:
@@ -124,35 +101,22 @@ class FullCacheProbe:
 
     def __init__(self, model_path: Path, n_ctx: int, threads: int = 1, window: int = 32,
                  model: Any = None) -> None:
-        from native import runtime  # noqa: PLC0415
+        from native import llama  # noqa: PLC0415
 
-        self.lc = lc = runtime.llama_cpp()
-        lc.llama_backend_init()
         self.owns_model = model is None
-        self.model = _load_cpu_model(lc, model_path) if model is None else model
-        self.n_layer = lc.llama_model_n_layer(self.model)
+        self.model = llama.Model(model_path, n_gpu_layers=0) if model is None else model
+        info = self.model.info()
+        self.n_layer = info.n_layer
         self.rec = _Recorder(self.n_layer)
-        self.ctx = _capture_context(lc, self.model, n_ctx, threads, self.rec, "capture")
+        self.ctx = _capture_context(self.model, n_ctx, threads, self.rec)
+        self.batch = llama.Batch(512)
         self.window = window
         self.next_pos = 0
-        self.head_dim = lc.llama_model_n_embd(self.model) // lc.llama_model_n_head(self.model)
+        self.head_dim = info.n_embd // info.n_head
 
     def _decode(self, tokens: list[int]) -> None:
-        lc = self.lc
-        batch = lc.llama_batch_init(len(tokens), 0, 1)
-        try:
-            for i, tok in enumerate(tokens):
-                batch.token[i] = int(tok)
-                batch.pos[i] = self.next_pos + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1 if i == len(tokens) - 1 else 0
-            batch.n_tokens = len(tokens)
-            rc = lc.llama_decode(self.ctx, batch)
-            if rc != 0:
-                raise RuntimeError(f"llama_decode returned {rc}")
-        finally:
-            lc.llama_batch_free(batch)
+        self.batch.set(tokens, range(self.next_pos, self.next_pos + len(tokens)), 0, logits="last")
+        self.ctx.decode(self.batch)
         self.next_pos += len(tokens)
 
     def feed(self, tokens: list[int], capture: bool) -> dict[int, LayerCapture]:
@@ -173,16 +137,15 @@ class FullCacheProbe:
     def rewind(self, pos: int) -> None:
         """Forget positions ≥ ``pos`` (an independent probe's question, before the next history)."""
         if pos < self.next_pos:
-            if not self.lc.llama_memory_seq_rm(self.lc.llama_get_memory(self.ctx), 0, pos, -1):
+            if not self.ctx.seq_rm(0, pos, -1):
                 raise RuntimeError(f"could not remove positions from {pos} on")
             self.next_pos = pos
 
     def close(self) -> None:
-        if self.ctx:
-            self.lc.llama_free(self.ctx)
-            self.ctx = None
-        if self.model and self.owns_model:
-            self.lc.llama_model_free(self.model)
+        self.batch.close()
+        self.ctx.close()
+        if self.model is not None and self.owns_model:
+            self.model.close()
         self.model = None
 
 
@@ -274,7 +237,8 @@ def run_coverage_draws(scripts: list[Any], settings: Any, base: Any, draws: int 
     One capture per probe serves every design asked for: each Poisson variant of
     ``settings.policies`` (e.g. ``poisson@page_size=1`` for token units) at each budget.
     """
-    from agent.lab.replay import batch, studies  # noqa: PLC0415
+    from agent.lab.replay import batch  # noqa: PLC0415
+    from agent.lab.replay.rank_stats import coverage  # noqa: PLC0415
     from agent.lab.replay.runner import base_policy, variant_overrides  # noqa: PLC0415
     from memory_store.store import Store  # noqa: PLC0415
 
@@ -331,7 +295,7 @@ def run_coverage_draws(scripts: list[Any], settings: Any, base: Any, draws: int 
     finally:
         store.close()
     forms = ("z_token", "z_cluster", "chi2_cluster", "f_cluster")
-    by_design = {label: {f: studies.coverage([{"layer": c["layer"], "head": c["head"], "certificate": c[f],
+    by_design = {label: {f: coverage([{"layer": c["layer"], "head": c["head"], "certificate": c[f],
                                                "error": c["error"]} for c in cells]) for f in forms}
                  for label, cells in cells_by.items() if cells}
     first = designs[0][0]
@@ -369,54 +333,39 @@ class EvictedReplica:
     """A second context on the engine's model that reproduces an evicted cache and captures a re-decode."""
 
     def __init__(self, model: Any, n_ctx: int, threads: int) -> None:
-        from native import runtime  # noqa: PLC0415
-
-        self.lc = lc = runtime.llama_cpp()
         self.rec = _Recorder(0)
-        self.ctx = _capture_context(lc, model, n_ctx, threads, self.rec, "replica")
+        self.ctx = _capture_context(model, n_ctx, threads, self.rec)
 
     def capture(self, state: bytes, positions: np.ndarray, bias: np.ndarray, tokens: list[int],
                 rows: int) -> dict[int, LayerCapture]:
         """Load ``state`` (the engine's sequence), write the biases, re-decode the last ``rows`` cells capturing
         every layer (the certificate stays off here: the stock graph, whose nodes the capture reads; an earlier
         cell re-decoded would change, as the engine computed it on the cache before an eviction)."""
-        from native import patched  # noqa: PLC0415
+        from native import llama  # noqa: PLC0415
 
-        lc = self.lc
-        mem = lc.llama_get_memory(self.ctx)
-        lc.llama_memory_clear(mem, True)
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if int(lc.llama_state_seq_set_data(self.ctx, buf, len(state), 0)) == 0:
-            raise RuntimeError("the replica could not load the engine's state")
-        patched.set_bias_pos(mem, 0, positions.astype(np.int32), bias.astype(np.float32))
+        self.ctx.clear()
+        self.ctx.set_seq_state(state)
+        self.ctx.set_bias(0, positions.astype(np.int32), bias.astype(np.float32))
         k = rows
         tail_pos = positions[-k:]
         if not np.array_equal(tail_pos, np.arange(tail_pos[0], tail_pos[0] + k)):
             raise RuntimeError("the question's last cells are not contiguous")
-        if not lc.llama_memory_seq_rm(mem, 0, int(tail_pos[0]), -1):
+        if not self.ctx.seq_rm(0, int(tail_pos[0]), -1):
             raise RuntimeError("the replica could not drop the question's rows")
-        batch = lc.llama_batch_init(k, 0, 1)
+        batch = llama.Batch(k)
         try:
-            for i, (tok, pos) in enumerate(zip(tokens[-k:], tail_pos)):
-                batch.token[i], batch.pos[i] = int(tok), int(pos)
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1 if i == k - 1 else 0
-            batch.n_tokens = k
+            batch.set(tokens[-k:], [int(p) for p in tail_pos], 0, logits="last")
             self.rec.layers, self.rec.pending, self.rec.armed = {}, {}, True
             try:
-                if lc.llama_decode(self.ctx, batch) != 0:
-                    raise RuntimeError("the replica's decode failed")
+                self.ctx.decode(batch)
             finally:
                 self.rec.armed = False
         finally:
-            lc.llama_batch_free(batch)
+            batch.close()
         return dict(self.rec.layers)
 
     def close(self) -> None:
-        if self.ctx:
-            self.lc.llama_free(self.ctx)
-            self.ctx = None
+        self.ctx.close()
 
 
 def _stages_for(rounds: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], positions: np.ndarray,
@@ -571,7 +520,6 @@ class ProductCoverage:
         self.fallback_template = False
         """The GGUF had no chat template and the study gave it Gemma's turn markup."""
         self.seen = _Observed()
-        self._undo: list[tuple[Any, str, Any]] = []
         self._model: Any = None
         self._replica: EvictedReplica | None = None
         self._full: FullCacheProbe | None = None
@@ -579,109 +527,82 @@ class ProductCoverage:
         self._n_ctx = 0
 
     # -- observers -----------------------------------------------------------------------
-    def _wrap(self, owner: Any, name: str, make: Any) -> None:
-        orig = getattr(owner, name)
-        raw = owner.__dict__.get(name, orig) if isinstance(owner, type) else orig  # a classmethod stays one
-        self._undo.append((owner, name, raw))
-        setattr(owner, name, make(orig))
-
     def __enter__(self) -> "ProductCoverage":
-        from agent.gate import decision as gate_mod  # noqa: PLC0415
-        from agent.lab.replay import runner as runner_mod  # noqa: PLC0415
-        from agent.llm import engine as engine_mod  # noqa: PLC0415
+        return self
+
+    def attach(self, runner: Any) -> None:
+        """Watch ``runner``'s replay (``batch.run``'s ``observe``): which job and step it is on, every token its
+        engine feeds, every eviction plan and every question the gate reads, through their hooks."""
         from agent.llm import template as template_mod  # noqa: PLC0415
-        from native import poisson  # noqa: PLC0415
 
         seen = self.seen
+        model = runner.engine.model
+        if not model.chat_template():
+            # a base model (gemma3-270m) has no chat template and the agent refuses it; the study gives it
+            # Gemma's turn markup, so its attention can be measured on the same scripts (results say so)
+            self.fallback_template = True
+            bos = model.token_to_piece(model.bos(), special=True).decode("utf-8", errors="replace")
+            eos = model.token_to_piece(model.eos(), special=True).decode("utf-8", errors="replace")
+            runner.template = template_mod.ChatTemplate(source=BASE_MODEL_TEMPLATE, bos_token=bos, eos_token=eos)
 
-        def run(orig: Any) -> Any:
-            def wrapper(runner: Any, job: Any, script: Any) -> Any:
-                seen.job, seen.shadow, seen.rounds = (job, script), [], {}
-                return orig(runner, job, script)
-            return wrapper
+        def job_started(job: Any, script: Any) -> None:
+            seen.job, seen.shadow, seen.rounds = (job, script), [], {}
 
-        def send(orig: Any) -> Any:
-            def wrapper(runner: Any, session: Any, step: Any, *args: Any, **kw: Any) -> Any:
-                seen.step = step
-                return orig(runner, session, step, *args, **kw)
-            return wrapper
+        def sending(step: Any) -> None:
+            seen.step = step
 
-        def feed(orig: Any) -> Any:
-            def wrapper(engine: Any, tokens: list[int], *args: Any, **kw: Any) -> Any:
-                start = engine.next_pos
-                result = orig(engine, tokens, *args, **kw)
-                del seen.shadow[start:]
-                if len(seen.shadow) < start:
-                    seen.shadow += [-1] * (start - len(seen.shadow))  # never fed here: a hole (checked later)
-                seen.shadow += [int(t) for t in tokens]
-                return result
-            return wrapper
+        def fed(start: int, tokens: list[int]) -> None:
+            del seen.shadow[start:]
+            if len(seen.shadow) < start:
+                seen.shadow += [-1] * (start - len(seen.shadow))  # never fed here: a hole (checked later)
+            seen.shadow += [int(t) for t in tokens]
 
-        def plan(orig: Any) -> Any:
-            def wrapper(scores: Any, protected: Any, budget: Any, **kw: Any) -> Any:
-                result = orig(scores, protected, budget, **kw)
-                if kw.get("positions") is not None:
-                    seen.rounds[int(kw.get("round", 0))] = (np.asarray(kw["positions"], dtype=np.int64).copy(),
-                                                            np.asarray(result.unit_ids, dtype=np.int64).copy(),
-                                                            np.asarray(result.pi, dtype=np.float64).copy())
-                return result
-            return wrapper
+        def planned(round_: int, positions: np.ndarray, plan: Any) -> None:
+            seen.rounds[int(round_)] = (np.asarray(positions, dtype=np.int64).copy(),
+                                        np.asarray(plan.unit_ids, dtype=np.int64).copy(),
+                                        np.asarray(plan.pi, dtype=np.float64).copy())
 
-        def read_question(orig: Any) -> Any:
-            def wrapper(gate: Any, engine: Any, rows: int, sampled_design: bool, *args: Any, **kw: Any) -> Any:
-                result = orig(gate, engine, rows, sampled_design, *args, **kw)
+        def session_opened(session: Any) -> None:
+            gate = session.gate
+
+            def question_read(engine: Any, rows: int, sampled_design: bool) -> None:
                 step = seen.step
                 wanted = self.every_turn or (step is not None and getattr(step, "probe", None) is not None)
                 if (seen.job is not None and wanted and sampled_design and engine.reading and rows > 0
                         and len(engine.cache) < engine.next_pos):
                     self._capture(gate, engine, rows)
-                return result
-            return wrapper
 
-        def for_model(orig: Any) -> Any:
-            def wrapper(model: Any) -> Any:
-                if model.chat_template():
-                    return orig(model)
-                # a base model (gemma3-270m) has no chat template and the agent refuses it; the study gives it
-                # Gemma's turn markup, so its attention can be measured on the same scripts (results say so)
-                self.fallback_template = True
-                bos = model.token_to_piece(model.bos(), special=True).decode("utf-8", errors="replace")
-                eos = model.token_to_piece(model.eos(), special=True).decode("utf-8", errors="replace")
-                return template_mod.ChatTemplate(source=BASE_MODEL_TEMPLATE, bos_token=bos, eos_token=eos)
-            return wrapper
+            def rolled_back(first: int, end: int) -> None:
+                for undone in range(first, end):
+                    seen.rounds.pop(undone, None)
 
-        self._wrap(template_mod.ChatTemplate, "for_model", lambda orig: staticmethod(for_model(orig)))
-        self._wrap(runner_mod.Runner, "run", run)
-        self._wrap(runner_mod.Runner, "_send", send)
-        self._wrap(engine_mod.Engine, "feed", feed)
-        self._wrap(poisson, "plan_eviction", plan)
-        self._wrap(gate_mod.Gate, "read_question", read_question)
-        return self
+            session.memory.planned.subscribe(planned)
+            session.memory.rolled_back.subscribe(rolled_back)
+            gate.question_read.subscribe(question_read)
+
+        runner.job_started.subscribe(job_started)
+        runner.sending.subscribe(sending)
+        runner.session_opened.subscribe(session_opened)
+        runner.engine.fed.subscribe(fed)
 
     def __exit__(self, *exc: object) -> None:
-        for owner, name, orig in reversed(self._undo):
-            setattr(owner, name, orig)
-        self._undo = []
         for probe in (self._replica, self._full):
             if probe is not None:
                 probe.close()
         if self._model is not None:
-            from native import runtime  # noqa: PLC0415
-
-            runtime.llama_cpp().llama_model_free(self._model)
+            self._model.close()
             self._model = None
 
     # -- one question --------------------------------------------------------------------
     def _contexts(self, n_ctx: int) -> tuple[EvictedReplica, FullCacheProbe]:
         if self._replica is None or self._full is None or n_ctx > self._n_ctx:
-            from native import runtime  # noqa: PLC0415
+            from native import llama  # noqa: PLC0415
 
-            lc = runtime.llama_cpp()
             for probe in (self._replica, self._full):
                 if probe is not None:
                     probe.close()
             if self._model is None:
-                self._model = _load_cpu_model(lc, self.model_path)
+                self._model = llama.Model(self.model_path, n_gpu_layers=0)
             self._replica = EvictedReplica(self._model, n_ctx, self.threads)
             self._full = FullCacheProbe(self.model_path, n_ctx, self.threads, window=8, model=self._model)
             self._full_fed, self._n_ctx = [], n_ctx
@@ -743,7 +664,7 @@ def coverage_forms(cells: dict[str, np.ndarray], form: CertificateForm, n_layer:
     ``shipped`` is the certificate the gate and the TUI show (``form``, agent.gate.certificate, for a model of
     ``n_layer`` layers; compared in absolute terms, ‖ô‖ times the relative value); the others are for
     diagnosis: ``k_only`` the same multiplier without the drift term, the z forms uncalibrated."""
-    from agent.lab.replay import studies  # noqa: PLC0415
+    from agent.lab.replay.rank_stats import spearman  # noqa: PLC0415
 
     if not len(cells.get("err", [])):
         return {}
@@ -762,7 +683,7 @@ def coverage_forms(cells: dict[str, np.ndarray], form: CertificateForm, n_layer:
     out: dict[str, dict[str, Any]] = {}
     for name, (cert, err) in forms.items():
         out[name] = {"n_cells": int(len(err)), "coverage": float(np.mean(err <= cert)),
-                     "spearman": studies.spearman(cert, err),
+                     "spearman": spearman(cert, err),
                      "median_ratio_error_to_certificate": float(np.median(err / np.maximum(cert, 1e-30)))}
     out["shipped"]["multiplier"] = form.multiplier
     out["shipped"]["form"] = form.record()
@@ -790,7 +711,7 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
     out_dir = Path(settings.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     with ProductCoverage(model_path, settings.threads or 1) as obs:
-        doc = batch.run(scripts, settings, base)
+        doc = batch.run(scripts, settings, base, observe=obs.attach)
         labels = list(obs.seen.cells)
         arrays = {label: obs.arrays(label) for label in labels}
         turns = list(obs.seen.turns)

@@ -220,17 +220,28 @@ class Runner:
         self.generate_fillers = generate_fillers
         """Answer every user line (then put the script's reply in its place), not only probes: the
         answer-phase certificate and the output confidence then exist on filler turns too."""
+        self.template: Any = None
+        """The chat markup each session uses when not the model's own (a study gives a base model one)."""
+        self.job_started: ev.Hook[[Job, Script]] = ev.Hook()
+        """Heard as each job starts, before its session opens."""
+        self.session_opened: ev.Hook[[Any]] = ev.Hook()
+        """Heard with each job's new ``ChatSession`` (its engine, cache manager and gate have hooks of their own)."""
+        self.sending: ev.Hook[[Step]] = ev.Hook()
+        """Heard as each script step goes to the session."""
 
     def run(self, job: Job, script: Script) -> dict[str, Any]:
         """One job: its per-step records and its summary."""
         from agent.chat.session import ChatSession  # noqa: PLC0415 — loads llama.cpp
 
+        self.job_started(job, script)
         cfg = policy_config(self.base, job, self.gate)
         if script.system is not None:
             cfg = cfg.replace(system_prompt=script.system)
         full_cfg = cfg.replace(policy="full", gate="off")
         one_shot = job.protocol == "one-shot"
-        session = ChatSession(full_cfg if one_shot else cfg, self.store, self.engine, self.model_name)
+        session = ChatSession(full_cfg if one_shot else cfg, self.store, self.engine, self.model_name,
+                              template=self.template)
+        self.session_opened(session)
         self.store.rename_conversation(session.conversation_id,
                                        f"replay {script.name} · {job.policy} {job.budget} seed {job.seed} "
                                        f"{job.protocol}")
@@ -270,6 +281,7 @@ class Runner:
         from agent.chat.session import InputError  # noqa: PLC0415
         from agent.lab.replay import drive  # noqa: PLC0415 — loads llama.cpp
 
+        self.sending(step)
         watch = _Watch(peak_cells=self.engine.live_cells)
 
         def sink(event: ev.Event) -> None:
