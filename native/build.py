@@ -255,7 +255,7 @@ def _core_sources() -> list[Path]:
 
 
 # GGML_NATIVE compiles for the build machine; on a Xeon that reports AMX, ggml then takes its AMX kernels, which
-# die with SIGILL in a VM that does not grant the tile state (this machine). AVX-512 and the rest stay native.
+# die with SIGILL in a VM that does not grant the tile state. AVX-512 and the rest stay native.
 X86_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 

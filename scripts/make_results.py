@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
              "machine, budgets, seeds and the command that reproduces it. Policies: `full` (no eviction), `window` "
              "(sinks + recent), `topk` (SnapKV-style, deterministic), `random` (uniform Poisson), `poisson` "
              "(importance-proportional Poisson with −log π biases, no gate), `poisson+gate` (certchat: Poisson "
-             "eviction plus the certificate gate that re-prefills from the log).", "",
+             "eviction plus the certificate gate that re-prefills from the log). This page holds the figures of "
+             "today's defaults; the studies behind them, earlier designs' figures and the benchmarks that are not "
+             "replays (speed, reopening a chat) are in [results/NOTES.md](results/NOTES.md), by topic.", "",
              "Regenerate this page: `python scripts/make_results.py "
              + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)) + "`", "",
              "## The paper's claims (targets)", "", "| claim | paper |", "|---|---|"]

@@ -15,10 +15,10 @@ the larger of τ and ``factor`` × the median of the conversation's last ``windo
 (long chats that refer back, docs/results/NOTES.md) raises its own bar, and a quiet one keeps τ.
 
 A record holds for the model it was fitted on (``"model_sha256"``, the GGUF's hash; a record naming only a registry
-``"model"`` holds for that model's file). On another model the floor can sit where that model's turns never reach
-it (Qwen2.5-Coder-1.5B's anomalies read 0.4–1.2 against the 0.5B's τ 5.11 at the 0.5B's layers mapped by depth),
-so the gate never fires and eviction forgets silently: :func:`covers` says whether a model has a calibration, and
-the cache manager keeps such a model's cache full under ``gate = "auto"`` (:data:`UNCALIBRATED`).
+``"model"`` holds for that model's file). On another model the floor can sit where that model's turns never reach it
+(docs/results/NOTES.md has a larger model's anomalies against the default model's τ), so the gate never fires and
+eviction forgets silently: :func:`covers` says whether a model has a calibration, and the cache manager keeps such a
+model's cache full under ``gate = "auto"`` (:data:`UNCALIBRATED`).
 """
 
 from __future__ import annotations

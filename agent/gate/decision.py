@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 import numpy as np
 
-from agent.config import Config
+from agent.config import Budget, Config, GateThreshold
 from agent.events import Hook
 from agent.eviction import policies
 from agent.gate import calibration, certificate, repetition
@@ -221,8 +221,8 @@ messages fitting ``reread_budget`` must hold for a targeted re-read; less, and t
 WHOLE_REREAD_FACTOR = 4
 """A history of more than this many times ``reread_budget`` tokens is not re-read whole when the question's
 attention is spread or its messages overflow the budget: the most anomalous messages that fit are re-read instead.
-On a CPU a re-read costs its tokens' prefill (a 6k-token history took 65 s on 2 cores against ~1.3 s for a
-full-cache turn, docs/results/NOTES.md), so past this size the whole re-read costs more than the full cache saved."""
+On a CPU a re-read costs its tokens' prefill, tens of times a full-cache turn for a history of a few thousand tokens,
+so past this size the whole re-read costs more than the full cache saved (docs/results/NOTES.md)."""
 
 
 @dataclass(frozen=True)
@@ -277,11 +277,38 @@ class GateState:
     paid_layers: tuple[int, ...] | None
 
 
+@dataclass(frozen=True)
+class GateSettings:
+    """What the gate reads of the configuration, parsed and resolved once (:meth:`from_config`)."""
+
+    threshold: GateThreshold
+    """"auto" (the calibrated τ, which follows the conversation), off, or a fixed τ."""
+    statistic: str
+    """The turn statistic compared with τ, "auto" resolved to the calibrated one for ``evict_at``."""
+    evict_at: str
+    budget: Budget
+    model: str
+    policy: str
+    page_size: int
+    answer_certificate: bool
+    reread_budget: int
+    reread_copy: bool
+
+    @classmethod
+    def from_config(cls, config: Config) -> GateSettings:
+        stat = config.gate_stat
+        return cls(threshold=config.gate_threshold,
+                   statistic=calibration.default_statistic(config.evict_at) if stat == "auto" else stat,
+                   evict_at=config.evict_at, budget=config.kv_budget, model=config.model, policy=config.policy,
+                   page_size=config.page_size, answer_certificate=config.answer_certificate,
+                   reread_budget=config.reread_budget, reread_copy=config.reread_copy)
+
+
 class Gate:
     """The gate of one session: threshold, statistic, the turn's certificates, and the re-read planner."""
 
     def __init__(self, config: Config) -> None:
-        self.config = config
+        self.settings = GateSettings.from_config(config)
         self.turn = TurnCertificates()
         self.copy: ReadCopy | None = None
         self._paid: dict[int, list[np.ndarray]] = {}
@@ -299,15 +326,14 @@ class Gate:
         design is sampled)."""
 
     def reconfigure(self, config: Config) -> None:
-        self.config = config
+        self.settings = GateSettings.from_config(config)
         self._tau = None
 
     # -- threshold and statistic ------------------------------------------------------
     @property
     def statistic(self) -> str:
         """The configured turn statistic, "auto" resolved to the calibrated one."""
-        stat = self.config.gate_stat
-        return calibration.default_statistic(self.config.evict_at) if stat == "auto" else stat
+        return self.settings.statistic
 
     def threshold(self) -> float | None:
         """τ for this turn: the configured number, or the calibrated τ — raised, when its calibration is
@@ -317,13 +343,13 @@ class Gate:
         return self._tau[0]
 
     def _work_out_threshold(self) -> float | None:
-        gate = self.config.gate_threshold
+        gate = self.settings.threshold
         if gate.auto:
-            tau = calibration.default_tau(self.statistic, self.config.evict_at)
+            tau = calibration.default_tau(self.statistic, self.settings.evict_at)
             if tau is None:
                 return None
             return calibration.adaptive_tau(tau, self._recent,
-                                            calibration.adaptive(self.statistic, self.config.evict_at))
+                                            calibration.adaptive(self.statistic, self.settings.evict_at))
         return gate.tau
 
     def implicating_level(self, tau: float) -> float:
@@ -331,10 +357,10 @@ class Gate:
         a fixed τ; for an adaptive one, the calibrated floor or the conversation's ordinary turn peak (the median
         the bar multiplies), whichever is higher — the bar decides whether the turn stands out, and every message
         above the ordinary peak is part of what it points at (the bar alone would bring back only the top one)."""
-        if not self.config.gate_threshold.auto:
+        if not self.settings.threshold.auto:
             return tau
-        floor = calibration.default_tau(self.statistic, self.config.evict_at)
-        rule = calibration.adaptive(self.statistic, self.config.evict_at)
+        floor = calibration.default_tau(self.statistic, self.settings.evict_at)
+        rule = calibration.adaptive(self.statistic, self.settings.evict_at)
         if floor is None or rule is None or not self._recent:
             return tau
         return min(tau, max(floor, rule.ordinary(self._recent)))
@@ -342,14 +368,14 @@ class Gate:
     def certificate_form(self, rounds: int) -> CertificateForm:
         """The certificate shown for this policy, model and budget after ``rounds`` eviction rounds
         (agent.gate.certificate)."""
-        return certificate.form_for(self.config.kv_budget, self.config.model, rounds, policy=self.config.policy)
+        return certificate.form_for(self.settings.budget, self.settings.model, rounds, policy=self.settings.policy)
 
     def decision_form(self) -> CertificateForm:
         """The form the gate compares with τ: a calibrated τ's own (agent.gate.calibration.tau_form), else the
         certificate shown (an explicit threshold is read on what the user sees)."""
-        if self.config.gate_threshold.auto and calibration.is_certificate_statistic(self.statistic):
-            form = calibration.tau_form(self.config.evict_at, self.config.kv_budget, self.config.model,
-                                        self.turn.rounds, self.config.policy)
+        if self.settings.threshold.auto and calibration.is_certificate_statistic(self.statistic):
+            form = calibration.tau_form(self.settings.evict_at, self.settings.budget, self.settings.model,
+                                        self.turn.rounds, self.settings.policy)
             if form is not None:
                 return form
         return self.turn.form
@@ -357,7 +383,7 @@ class Gate:
     def wants_answer_certificates(self) -> bool:
         """Per-step certificates while answering: needed by an answer.* gate, or asked for (replays record
         every statistic); otherwise paused, since each costs a V-sized product per layer."""
-        return self.config.answer_certificate or self.statistic.startswith("answer.")
+        return self.settings.answer_certificate or self.statistic.startswith("answer.")
 
     def _breach(self, value: float | None, tau: float | None) -> bool:
         return value is not None and tau is not None and (not math.isfinite(value) or value >= tau)
@@ -460,7 +486,7 @@ class Gate:
         # fewer, V̂ is 0 or one term whatever was lost — e.g. a 10% budget of a 400-token history, whose tail
         # expects less than one page. (Nothing evicted: nothing lost, and 0 is the right certificate.)
         segs = np.asarray(cache.segments, dtype=np.int64)[sampled]
-        pages = positions[sampled] // self.config.page_size
+        pages = positions[sampled] // self.settings.page_size
         units = np.unique(np.stack([segs, pages]), axis=1).shape[1] if len(pages) else 0
         evicted = len(cache) < engine.next_pos
         if reading is None:
@@ -618,7 +644,7 @@ class Gate:
         token ids), checked against the positions the engine fed them at and the tokens still live there — on any
         disagreement the log wins and the whole history is re-read."""
         tau = decision.threshold
-        if self.config.reread_budget <= 0:
+        if self.settings.reread_budget <= 0:
             return None, "targeted re-reads are off (reread_budget = 0)"
         if not self.statistic.startswith("sketch.") or decision.uncertified or tau is None:
             return None, "the uncertified sample names no message" if decision.uncertified else \
@@ -630,12 +656,12 @@ class Gate:
             return None, "no single evicted message stands out"
         # past this size the whole history costs more to re-read than the turns it would protect: read what fits
         best_effort = sum(len(m.tokens) for m in logged.values() if m.tokens is not None) > \
-            WHOLE_REREAD_FACTOR * self.config.reread_budget
+            WHOLE_REREAD_FACTOR * self.settings.reread_budget
         if len(chosen) > MAX_TARGETED and not best_effort:
             return None, f"the question's attention is spread over {len(chosen)} evicted messages"
         chosen = chosen[:MAX_TARGETED]
         plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
-        room = min(self.config.reread_budget, free_cells)
+        room = min(self.settings.reread_budget, free_cells)
         implicated = sum(self.turn.excess.get(i, 0.0) for i in chosen)
         covered = 0.0
         for index in chosen:
@@ -673,7 +699,7 @@ class Gate:
         independent probe, a replaced answer) still serves the messages before them. Never all of ``chosen``:
         the last message is always fed, as the answer starts from its logits."""
         copy = self.copy
-        if copy is None or not self.config.reread_copy or copy.conversation_id != conversation_id:
+        if copy is None or not self.settings.reread_copy or copy.conversation_id != conversation_id:
             return 0
         n = 0
         for (mid, toks), m in zip(copy.messages[: len(chosen) - 1], chosen):
@@ -685,7 +711,7 @@ class Gate:
     def keep_copy(self, conversation_id: int, chosen: list[Any], engine: "Engine") -> None:
         """Keep the cache a re-read just left as the next re-read's copy, when the config asks for one and a
         gate can fire at all."""
-        if self.config.reread_copy and policies.get(self.config.policy).evicts and self.threshold() is not None:
+        if self.settings.reread_copy and policies.get(self.settings.policy).evicts and self.threshold() is not None:
             self.copy = ReadCopy(conversation_id, tuple((m.id, tuple(int(t) for t in m.tokens)) for m in chosen),
                                  engine.snapshot())
 
