@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from agent import models
-from agent.config import Config
+from agent.config import Budget, Config, GateThreshold
 from agent.events import Hook
 from agent.eviction import policies
 from agent.gate import calibration
@@ -56,12 +56,41 @@ class EvictionReport:
     feasible: bool
 
 
+@dataclass(frozen=True)
+class EvictionSettings:
+    """What the cache manager reads of the configuration, parsed once (:meth:`from_config`)."""
+
+    budget: Budget
+    gate: GateThreshold
+    evict_from: int
+    evict_at: str
+    sinks: int
+    recent: int
+    page_size: int
+    seed: int
+    question_window: int
+    cert_window: int
+    sketch_layers: tuple[int, ...] | None
+    """The configured sketch layers; None: the calibrated ones."""
+    sketch_bits: int
+    n_batch: int
+    max_tokens: int
+
+    @classmethod
+    def from_config(cls, config: Config) -> EvictionSettings:
+        return cls(budget=config.kv_budget, gate=config.gate_threshold, evict_from=config.evict_from,
+                   evict_at=config.evict_at, sinks=config.sinks, recent=config.recent, page_size=config.page_size,
+                   seed=config.seed, question_window=config.question_window, cert_window=config.cert_window,
+                   sketch_layers=config.sketch_layer_choice, sketch_bits=config.sketch_bits, n_batch=config.n_batch,
+                   max_tokens=config.max_tokens)
+
+
 class CacheManager:
     """Budget, protected set and eviction rounds for one engine's cache."""
 
     def __init__(self, engine: Engine, config: Config) -> None:
         self.engine = engine
-        self.config = config
+        self.settings = EvictionSettings.from_config(config)
         self.policy: policies.Policy = policies.from_config(config)
         self.round = 0
         self.planned: Hook[[int, np.ndarray, Any]] = Hook()
@@ -82,7 +111,7 @@ class CacheManager:
 
     # -- configuration ------------------------------------------------------------------
     def reconfigure(self, config: Config) -> None:
-        self.config = config
+        self.settings = settings = EvictionSettings.from_config(config)
         self.policy = policies.from_config(config)
         self.full_reason = self._uncalibrated()
         # The readout costs a little per step: on only for a policy that uses it, and with a window fixed for
@@ -91,10 +120,10 @@ class CacheManager:
         # held-back question tokens and one-token decodes.
         # The sketch keeps what a sampled design evicts, for the gate: its query rows are the certificate window's.
         sketched = self.policy.sampled and self.policy.evicts and self.full_reason is None
-        layers = config.sketch_layer_choice
+        layers = settings.sketch_layers
         if layers is None:
-            layers = calibration.sketch_layers(self.engine.info.layer_windows, config.evict_at)
-        self.engine.set_sketch(layers if sketched else (), config.sketch_bits, config.cert_window)
+            layers = calibration.sketch_layers(self.engine.info.layer_windows, settings.evict_at)
+        self.engine.set_sketch(layers if sketched else (), settings.sketch_bits, settings.cert_window)
         if self.policy.reads_attention:
             self.set_readout(True)
         elif self.engine.readout[1]:
@@ -103,18 +132,18 @@ class CacheManager:
     def _uncalibrated(self) -> str | None:
         """:data:`calibration.UNCALIBRATED` when the policy evicts under ``gate = "auto"`` on a model the gate's
         calibration does not cover; None otherwise (a threshold or "off" was chosen, or nothing is evicted)."""
-        if not self.policy.evicts or not self.config.gate_threshold.auto:
+        if not self.policy.evicts or not self.settings.gate.auto:
             return None
         if self._model_sha256 is None:
             try:
                 self._model_sha256 = models.gguf_sha256(self.engine.settings.model_path)
             except OSError:
                 return calibration.UNCALIBRATED  # an unreadable file is no calibrated one: fail safe
-        return None if calibration.covers(self._model_sha256, self.config.evict_at) else calibration.UNCALIBRATED
+        return None if calibration.covers(self._model_sha256, self.settings.evict_at) else calibration.UNCALIBRATED
 
     @property
     def readout_rows(self) -> int:
-        return max(1, self.config.question_window, self.config.cert_window)
+        return max(1, self.settings.question_window, self.settings.cert_window)
 
     @property
     def reads_attention(self) -> bool:
@@ -132,13 +161,13 @@ class CacheManager:
         """``evict_from``, but no later than the length at which the full cache could no longer take a turn (the
         context less a question's batch and an answer): a context filled by the full cache would lose its oldest
         messages to a truncated re-read, evicted by no policy and certified by no gate."""
-        return min(self.config.evict_from, max(0, self.engine.n_ctx - self.readout_lead))
+        return min(self.settings.evict_from, max(0, self.engine.n_ctx - self.readout_lead))
 
     @property
     def readout_lead(self) -> int:
         """Tokens before ``evict_from`` at which the readout comes on: a question's batch and an answer, so the
         turn that crosses the threshold is read while it is prefilled."""
-        return self.config.n_batch + self.config.max_tokens + 16
+        return self.settings.n_batch + self.settings.max_tokens + 16
 
     @property
     def history(self) -> int:
@@ -196,14 +225,14 @@ class CacheManager:
         if not self.evicting(history):
             return None
         length = self.engine.next_pos if history is None else history
-        cells = self.config.kv_budget.cells(length)
-        return max(cells, self.config.sinks + self.config.recent)
+        cells = self.settings.budget.cells(length)
+        return max(cells, self.settings.sinks + self.settings.recent)
 
     def split_question(self, n_tokens: int) -> int:
         """How many of a question's ``n_tokens`` to hold back until after its eviction: the certificate
         window, when prefilling the rest will take the cache past its budget (else 0, one prefill). The
         rest's last rows score the eviction; the held-back rows, prefilled on the evicted cache, certify it."""
-        hold = min(self.config.cert_window, n_tokens - 1)
+        hold = min(self.settings.cert_window, n_tokens - 1)
         if not self.reads_attention or not self.readout_due() or hold < 1:
             return 0
         head = n_tokens - hold
@@ -259,14 +288,14 @@ class CacheManager:
         unprotected = scores[~protected]
         plan = poisson.plan_eviction(
             scores, protected, float(target), method=pol.design,  # type: ignore[arg-type]
-            page_size=self.config.page_size, message_ids=segments, top_share=pol.top_share,
+            page_size=self.settings.page_size, message_ids=segments, top_share=pol.top_share,
             floor=pol.floor * float(unprotected.mean()) if unprotected.size else 0.0,
-            seed=self.config.seed, round=self.round, positions=positions,
+            seed=self.settings.seed, round=self.round, positions=positions,
             prev_cum_logpi=np.asarray(cache.logpi, dtype=np.float64), strict=False,
         )
         self.planned(self.round, positions, plan)
         self.engine.evict(np.asarray(plan.keep, dtype=bool), plan.cum_logpi if pol.sampled else None)
-        report = EvictionReport(round=self.round, policy=pol.name, seed=self.config.seed, cells_before=n,
+        report = EvictionReport(round=self.round, policy=pol.name, seed=self.settings.seed, cells_before=n,
                                 cells_after=len(cache), budget_cells=int(target), sum_pi=float(plan.expected_kept),
                                 feasible=plan.feasible)
         self.round += 1
@@ -284,10 +313,10 @@ class CacheManager:
         400 tokens: 40 cells) is all protected cells, nothing is sampled, and the certificate is 0 by
         construction."""
         protected = positions >= protect_from
-        protected[: self.config.sinks] = True
+        protected[: self.settings.sinks] = True
         before = np.flatnonzero(positions < protect_from)
         spare = int(target) - int(np.count_nonzero(protected))
-        recent = min(self.config.recent, max(0, spare // 2))
+        recent = min(self.settings.recent, max(0, spare // 2))
         if recent and len(before):
             protected[before[-recent:]] = True
         protected[-1:] = True
@@ -298,7 +327,7 @@ class CacheManager:
         while the policy does not apply (:attr:`full_reason`: the session keeps the newest history, as for ``full``)."""
         if not self.policy.evicts or self.full_reason is not None:
             return False, None
-        target = max(self.config.sinks + self.config.recent, self.engine.n_ctx - needed)
+        target = max(self.settings.sinks + self.settings.recent, self.engine.n_ctx - needed)
         budget = min(self.budget_cells() or target, target)
         report = self.evict(protect_from=self.engine.next_pos, budget=budget)
         return self.engine.free_cells() >= needed, report
