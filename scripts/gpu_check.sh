@@ -40,8 +40,8 @@ prepare() {
     stamp "packing the pristine llama.cpp tree from $src"
     tar czf "$OUT/llama-src.tar.gz" -C "$src" --exclude=.git --exclude=.complete .
     stamp "writing the tiny models"
-    "$venv_py" "$ROOT/scripts/make_tiny_gguf.py" qwen2 "$OUT/tiny-qwen2-f16.gguf" --dtype f16
-    "$venv_py" "$ROOT/scripts/make_tiny_gguf.py" qwen2 "$OUT/tiny-qwen2-f32.gguf" --dtype f32
+    (cd "$ROOT" && "$venv_py" -m agent.lab.tiny_gguf qwen2 "$OUT/tiny-qwen2-f16.gguf" --dtype f16)
+    (cd "$ROOT" && "$venv_py" -m agent.lab.tiny_gguf qwen2 "$OUT/tiny-qwen2-f32.gguf" --dtype f32)
     stamp "packing the Python packages the tests import"
     local site
     site="$("$venv_py" -c 'import numpy, os; print(os.path.dirname(os.path.dirname(numpy.__file__)))')"

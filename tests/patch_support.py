@@ -15,7 +15,6 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from agent.lab import tiny_gguf
 from native import patched, runtime
 from native.ggml_tensor import GGML_TYPE_F16, GGML_TYPE_F32, GgmlTensor, src  # noqa: F401 (re-exported)
 from native.ggml_tensor import read as read_tensor
@@ -178,6 +177,8 @@ def tiny_model(arch: str, directory: Path, dtype: str = "f16") -> Path:
         return Path(prepared) / f"tiny-{arch}-{dtype}.gguf"
     path = Path(directory) / f"tiny-{arch}-{dtype}.gguf"
     if not path.exists():
+        from agent.lab import tiny_gguf  # needs gguf, which the GPU check machine does not carry
+
         tiny_gguf.write_tiny_gguf(arch, path, dtype=dtype)
     return path
 
