@@ -185,8 +185,7 @@ class Config:
             raise ConfigError(f"gpu_layers: must be 0 or more, got {self.gpu_layers}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        Budget.parse(self.budget)
-        GateThreshold.parse(self.gate)
+        _ = self.kv_budget, self.gate_threshold  # parsed here once, kept for the components that read them
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be 0 or more, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -222,7 +221,7 @@ class Config:
             raise ConfigError(f"evict_at: must be one of {', '.join(EVICT_AT)}, got {self.evict_at!r}")
         if not 1 <= self.question_window <= 64 or not 1 <= self.cert_window <= 64:
             raise ConfigError("question_window/cert_window: must be in [1, 64]")
-        sketch_layers(self.sketch_layers)
+        _ = self.sketch_layer_choice
         if isinstance(self.saved_states_mb, bool) or not isinstance(self.saved_states_mb, int) \
                 or self.saved_states_mb < 0:
             raise ConfigError(f"saved_states_mb: must be a size in MiB, 0 or more (0 saves no chat states), "

@@ -304,7 +304,8 @@ class ChatSession:
                     return
                 last_message_id = rereadable[-1].id
             state = resume.SessionState(self.conversation_id, last_message_id, [s.index for s in self._segments],
-                                        self.engine.snapshot(), self.memory.snapshot(), self.gate.state())
+                                        self.engine.snapshot(share_sketch=True), self.memory.snapshot(),
+                                        self.gate.state())
             self.saver.save(state, self._state_key())
         except (OSError, ValueError, llama.LlamaError) as err:
             log.warning("could not save the state of conversation %s (%s); reopening it will re-read the log",

@@ -204,11 +204,14 @@ class Engine:
     def free_cells(self) -> int:
         return self.n_ctx - len(self.cache)
 
-    def snapshot(self) -> "EngineSnapshot":
-        """Everything needed to come back to this exact cache (for independent probes)."""
+    def snapshot(self, share_sketch: bool = False) -> "EngineSnapshot":
+        """Everything needed to come back to this exact cache (for independent probes). ``share_sketch``: the live
+        sketch itself rather than a copy, for a caller that reads the snapshot before the cache changes again
+        (saving a chat state copies the sketch's rows anyway)."""
+        sketch = self.sketch if self.sketch is not None and self.sketch.n_tokens else None
         return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
                               list(self.cache.segments), list(self.cache.logpi), self.next_pos,
-                              copy.deepcopy(self.sketch) if self.sketch is not None and self.sketch.n_tokens else None,
+                              sketch if share_sketch or sketch is None else copy.deepcopy(sketch),
                               dict(self.cache.spans), self._held, self._reinserted, self.rounds)
 
     def restore(self, snap: "EngineSnapshot") -> None:
