@@ -136,17 +136,31 @@ def test_forced_answer_and_independent_probe(engine: Engine, tmp_path: Path) -> 
 
 
 def test_an_independent_probe_that_fires_the_gate_reads_its_question_and_rounds_go_on(engine: Engine,
-                                                                                     tmp_path: Path) -> None:
+                                                                                     tmp_path: Path,
+                                                                                     small_model: Path) -> None:
     """An independent probe is logged discarded from the start, yet a full re-read it fires brings its question
-    back with the history; the rounds it evicted stay logged, and the turns after it evict under new numbers."""
+    back with the history, and answers as the full cache does, token for token (the reference: a fresh context
+    that prefills the kept history and the question, then decodes greedily); the rounds it evicted stay logged,
+    and the turns after it evict under new numbers."""
     s = _session(engine, tmp_path, policy="poisson", budget="64", evict_from=0, gate="0", gate_stat="question.max")
     for i in range(3):
         drive.forced(s, f"Note {i}: the locker code is 41{i}7 and the boat is called Purrnickel.", "Noted.")
     rounds_before = [r.round for r in s.store.eviction_rounds(s.conversation_id)]
     probe = drive.independent(s, "What is the locker code in note 1?")
-    question = [m for m in s.store.messages(s.conversation_id) if m.role == "user"][-1]
-    assert question.meta.get("discarded") and probe.gate_fired
+    messages = s.store.messages(s.conversation_id)
+    question, answer = messages[-2], messages[-1]
+    assert question.role == "user" and question.meta.get("discarded") and probe.gate_fired
     assert probe.reread_path == "full" and question.id in probe.reread_messages
+    reference = Engine(EngineSettings(model_path=small_model, n_ctx=1024, n_batch=256, threads=2))
+    sampler = llama.Sampler(llama.SamplerParams(), reference.info.n_vocab)
+    try:
+        for m in [m for m in messages[:-2] if not m.meta.get("discarded")] + [question]:
+            reference.feed([int(t) for t in m.tokens], segment=m.index)
+        g = reference.generate(sampler, 24, segment=answer.index)
+        assert g.tokens == [int(t) for t in answer.tokens][: len(g.tokens)] and g.text == probe.answer
+    finally:
+        sampler.close()
+        reference.close()
     drive.forced(s, "One more note: the kettle is blue.", "Noted.")
     rounds = [r.round for r in s.store.eviction_rounds(s.conversation_id)]
     assert len(rounds) > len(rounds_before) and len(set(rounds)) == len(rounds) and rounds == sorted(rounds)
