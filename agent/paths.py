@@ -54,6 +54,12 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
+def calibrations_dir() -> Path:
+    """Model calibrations ``certchat calibrate`` wrote, one file per GGUF hash."""
+    override = os.environ.get("CERTCHAT_CALIBRATION_DIR")
+    return Path(override).expanduser() if override else cache_dir() / "calibrations"
+
+
 def native_dir() -> Path:
     """Downloaded sdists, patched source trees and build outputs keyed by content hash."""
     return cache_dir() / "native"

@@ -5,6 +5,7 @@
         --section "LoCoMo=/path/to/locomo-run" \
         --study "recall30=/path/to/study-gating.json" --study /path/to/study-attribution.json \
         --long "LoCoMo in full=/path/to/conv-a,/path/to/conv-a-25pct,/path/to/conv-b" \
+        [--transfer "Calibration per model=docs/results/data/calibration/transfer.json"] \
         [--notes notes.md] [--out docs/RESULTS.md]
 
 Each ``--section TITLE=DIR`` is a folder holding ``results*.json`` (shards are merged); its
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--study", action="append", default=[], help="[TITLE=]a study-*.json file")
     parser.add_argument("--long", action="append", default=[],
                         help="TITLE=DIR,DIR… of `certchat demo long` results: per conversation and pooled")
+    parser.add_argument("--transfer", action="append", default=[],
+                        help="TITLE=FILE: a per-model calibration table (python -m agent.lab.transfer --out FILE)")
     parser.add_argument("--notes", type=Path, help="a Markdown file included verbatim under Notes")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "RESULTS.md")
     args = parser.parse_args(argv)
@@ -124,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--long: expected TITLE=DIR,DIR…, got {spec!r}")
         title, folders = spec.split("=", 1)
         lines += _long(title, [Path(f) for f in folders.split(",") if f])
+    for spec in args.transfer:
+        import json  # noqa: PLC0415
+
+        from agent.lab import transfer  # noqa: PLC0415
+
+        title, _, file = spec.partition("=")
+        lines += [f"## {title}", "", transfer.render(json.loads(Path(file).read_text(encoding="utf-8")))]
     for spec in args.study:
         import json  # noqa: PLC0415
 

@@ -23,7 +23,11 @@ def _isolated_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     monkeypatch.setenv("CERTCHAT_DATA_DIR", str(base / "data"))
     monkeypatch.setenv("CERTCHAT_CONFIG", str(base / "config.toml"))
     monkeypatch.delenv("CERTCHAT_DB", raising=False)
+    # a calibration made on this machine (`certchat calibrate`) must not change what a test sees
+    monkeypatch.setenv("CERTCHAT_CALIBRATION_DIR", str(base / "calibrations"))
+    calibration.forget()
     yield
+    calibration.forget()
 
 
 def _model(name: str) -> Path:
@@ -47,19 +51,19 @@ def small_model() -> Path:
 
 
 @pytest.fixture
-def calibrated_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
-    """``calibrated_for("smollm2-135m")``: for this test, the shipped gate calibration holds for that registry model
-    (its records name the model's hash). Under gate "auto" a model the calibration does not cover keeps the full
-    cache (agent.eviction.budget); tests of eviction under the calibrated gate on the fast models mark them this way."""
-
+def calibrated_for() -> Iterator[Callable[[str], None]]:
+    """``calibrated_for("smollm2-135m")``: for this test, that registry model has a calibration of its own in the user's
+    calibration dir (a temporary one): the shipped default model's gate records, naming this model's hash. Under gate
+    "auto" a model without a calibration keeps the full cache (agent.eviction.budget); tests of eviction under the
+    calibrated gate on the fast models mark them this way, before their session starts."""
     def mark(name: str) -> None:
         shipped = json.loads(calibration.PATH.read_text(encoding="utf-8"))["calibrations"]
-        path = tmp_path / f"gate_calibration-{name}.json"
-        for record in shipped:
-            calibration.write({**record, "model": name, "model_sha256": models.REGISTRY[name].sha256}, path)
-        monkeypatch.setattr(calibration, "PATH", path)
+        sha = models.REGISTRY[name].sha256
+        calibration.write_model({"calibrations": [{**r, "model": name, "model_sha256": sha} for r in shipped]},
+                                calibration.record_path(sha))
 
-    return mark
+    yield mark
+    calibration.forget()
 
 
 @pytest.fixture(scope="session")

@@ -63,10 +63,20 @@ def test_auto_gate_reads_the_calibration_that_chose_it(tmp_path: Path) -> None:
     # the default cites the data that chose it
     assert cal.command and "replay" in cal.command and cal.study_command and "--study gating" in cal.study_command
     assert cal.record["in_sample"]["probe_gate_rate"] >= 0 and cal.tau > 0
-    assert calibration.default_statistic() == cal.statistic
-    assert calibration.default_tau(cal.statistic) == cal.tau
+    from agent.gate.decision import Gate
+
+    shipped = calibration.for_model(cal.model_sha256)
+    assert shipped is not None
+    mine = shipped.gate(cal.record["evict_at"])
+    # the model's own record (`certchat calibrate`, agent/gate/calibrations/) before the gating study's file
+    assert mine is not None and mine.record.get("accepted") and calibration.SHIPPED_DIR in shipped.path.parents
+    assert shipped.gate("question") == calibration.load(calibration.PATH, "question"), "a timing only the study has"
+    gate = Gate(config.Config(), shipped)
+    assert gate.statistic == mine.statistic and gate.threshold() == mine.tau
+    assert Gate(config.Config(), None).threshold() is None, "a model without a calibration: 'auto' is off"
     other = "answer.q" if cal.statistic != "answer.q" else "question.q"
-    assert calibration.default_tau(other) is None  # calibrated for another statistic: the gate stays off
+    assert cal.tau_for(other) is None  # calibrated for another statistic: the gate stays off
+    assert Gate(config.Config(gate_stat=other), shipped).threshold() is None
     assert cal.record["evict_at"] == config.Config().evict_at, "the shipped default is calibrated for the default timing"
     path = calibration.write({**cal.record, "evict_at": "question", "statistic": "question.q", "tau": 0.5},
                              tmp_path / "cal.json")
@@ -94,14 +104,14 @@ def test_adaptive_tau_follows_the_conversation(tmp_path: Path, monkeypatch: pyte
 
     path = tmp_path / "gate_calibration.json"
     path.write_text(json.dumps({"calibrations": [{"statistic": "sketch.max", "tau": 5.0, "evict_at": "turn-end",
-                                                  "adaptive": {"factor": 2.0, "window": 3}}]}))
-    monkeypatch.setattr(calibration, "PATH", path)
-    calibration.load.cache_clear()
+                                                  "adaptive": {"factor": 2.0, "window": 3},
+                                                  "model_sha256": "ab" * 32}]}))
+    [model] = calibration.read(path)
     try:
         assert calibration.adaptive_tau(5.0, [], calibration.Adaptive(2.0, 3)) == 5.0
         assert calibration.adaptive_tau(5.0, [9.0, 1.0, 4.0, 6.0], calibration.Adaptive(2.0, 3)) == 8.0
         assert calibration.adaptive_tau(5.0, [9.0, 1.0, 4.0, 6.0], None) == 5.0
-        gate = Gate(config.Config(gate="auto", gate_stat="sketch.max", evict_at="turn-end"))
+        gate = Gate(config.Config(gate="auto", gate_stat="sketch.max", evict_at="turn-end"), model)
 
         def turn(value: float) -> None:
             gate.begin_turn()
@@ -128,7 +138,7 @@ def test_adaptive_tau_follows_the_conversation(tmp_path: Path, monkeypatch: pyte
         assert gate.threshold() == pytest.approx(24.0)
         gate.new_conversation()
         assert gate.threshold() == 5.0
-        fixed = Gate(config.Config(gate="7.5", gate_stat="sketch.max", evict_at="turn-end"))
+        fixed = Gate(config.Config(gate="7.5", gate_stat="sketch.max", evict_at="turn-end"), model)
         for value in (12.0, 14.0, 10.0):
             fixed.begin_turn()
             fixed.turn.sketch = {"sketch.max": value}

@@ -139,11 +139,13 @@ def test_the_sketch_reads_only_full_attention_layers(model_path: Callable[[str],
     """A sliding-window layer never sees an evicted position outside its window, so the sketch cannot read the
     question's attention there: "auto" moves the calibrated depths to full-attention layers, and naming a
     windowed layer is refused with the layers to choose from."""
-    shipped = calibration.sketch_layers((0,) * 24)
+    default = calibration.load(calibration.PATH, "turn-end")
+    assert default is not None
+    shipped = default.sketch_layers((0,) * 24)
     assert shipped, "the shipped turn-end calibration reads a sketch"
-    assert calibration.sketch_layers((512,) * 24) == (), "no full-attention layer: no sketch"
+    assert default.sketch_layers((512,) * 24) == (), "no full-attention layer: no sketch"
     windows = tuple(0 if il in (7, 15, 23) else 512 for il in range(24))
-    moved = calibration.sketch_layers(windows)
+    moved = default.sketch_layers(windows)
     assert moved and set(moved) <= {7, 15, 23}
     for x in shipped:  # each calibrated layer moves to a nearest full-attention one
         nearest = min(abs(f - x) for f in (7, 15, 23))
@@ -152,7 +154,7 @@ def test_the_sketch_reads_only_full_attention_layers(model_path: Callable[[str],
     try:
         full = [il for il, w in enumerate(eng.info.layer_windows) if w == 0]
         assert full == [5, 11, 17]
-        auto = calibration.sketch_layers(eng.info.layer_windows)
+        auto = calibration.fallback_sketch_layers(eng.info.layer_windows)
         assert auto and set(auto) <= set(full)
         eng.set_sketch(auto, 8, 4)
         with pytest.raises(ValueError, match=r"sketch_layers: layers 2,8 .*512-token sliding window.*\(5,11,17\)"):

@@ -133,12 +133,12 @@ def test_gate_decides_on_the_form_tau_was_calibrated_on(tmp_path: Path, monkeypa
     certificate.write(_rows(("qwen", "10%", None, 2.0, [0.0])), cert_path)
     gate_path = tmp_path / "gate_calibration.json"
     gate_path.write_text(json.dumps({"calibrations": [{"statistic": "question.max", "tau": 0.5,
-                                                       "evict_at": "turn-end"}]}))
-    monkeypatch.setattr(calibration, "PATH", gate_path)
+                                                       "evict_at": "turn-end", "model_sha256": "ab" * 32}]}))
     monkeypatch.setattr(certificate, "PATH", cert_path)
     calibration.load.cache_clear()
     try:
-        gate = Gate(Config(model="qwen", budget="10%", gate="auto", gate_stat="question.max", evict_at="turn-end"))
+        settings = Config(model="qwen", budget="10%", gate="auto", gate_stat="question.max", evict_at="turn-end")
+        gate = Gate(settings, calibration.read(gate_path)[0])
         turn = gate.turn
         turn.question = np.full((2, 3, 2), 0.4)  # sqrt(V̂)/‖ô‖ as the graph gives it
         turn.form = gate.certificate_form(2)
@@ -146,17 +146,18 @@ def test_gate_decides_on_the_form_tau_was_calibrated_on(tmp_path: Path, monkeypa
         assert turn.statistics()["question.max"] == pytest.approx(0.8)  # shown: k = 2
         decision = gate.question_decision()
         assert not decision.fire and decision.value == pytest.approx(0.4)  # τ 0.5 was fitted on k = 1
-        assert calibration.tau_form("turn-end").identity
+        assert calibration.load(gate_path, "turn-end").tau_form().identity
         # a record that names the calibration it was read in
         gate_path.write_text(json.dumps({"calibrations": [{"statistic": "question.max", "tau": 0.7,
-                                                           "evict_at": "turn-end",
+                                                           "evict_at": "turn-end", "model_sha256": "ab" * 32,
                                                            "certificate": _rows(("qwen", "10%", None, 2.0,
                                                                                  [0.0]))["multipliers"]}]}))
-        calibration.load.cache_clear()
+        gate = Gate(settings, calibration.read(gate_path)[0])
+        gate.turn = turn
         decision = gate.question_decision()
         assert decision.fire and decision.value == pytest.approx(0.8)
         explicit = Gate(Config(model="qwen", budget="10%", gate="0.7", gate_stat="question.max",
-                               evict_at="turn-end"))
+                               evict_at="turn-end"), calibration.read(gate_path)[0])
         explicit.turn = turn
         assert explicit.question_decision().fire
         assert not calibration.is_certificate_statistic("question.evicted_share")

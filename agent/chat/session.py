@@ -143,8 +143,10 @@ class ChatSession:
         self.engine = engine
         self.model_name = model_name
         self.template = template or ChatTemplate.for_model(engine.model)
-        self.memory = CacheManager(engine, config)
-        self.gate = Gate(config)
+        # resolved once per session: every component reads this model's own calibration (none: uncalibrated)
+        self.model_calibration = calibration.of_file(engine.settings.model_path)
+        self.memory = CacheManager(engine, config, self.model_calibration)
+        self.gate = Gate(config, self.model_calibration)
         self.sampler = llama.Sampler(self._sampler_params(), engine.info.n_vocab)
         self._segments: list[_Segment] = []
         self._turn_certs: list[tuple[int, float | None, bool]] = []

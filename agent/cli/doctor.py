@@ -112,11 +112,14 @@ def gate_report() -> dict[str, Any]:
         sha = registry.sha256 if registry else models.gguf_sha256(path) if path.is_file() else None
     except OSError:
         sha = None
-    calibrated = calibration.covers(sha, cfg.evict_at) if sha else None
+    found = calibration.for_model(sha) if sha else None
+    calibrated = (found is not None and found.gate(cfg.evict_at) is not None) if sha else None
+    why = found.rejection(cfg.evict_at) if found is not None else None
+    reason = calibration.REJECTED.format(why=why) if why else calibration.UNCALIBRATED
     held = cfg.gate_threshold.auto and policies.from_config(cfg).evicts and calibrated is False
     return {"model": cfg.model, "gate": cfg.gate, "policy": cfg.policy, "evict_at": cfg.evict_at,
-            "calibrated": calibrated,
-            "note": f"{calibration.UNCALIBRATED}; {calibration.UNCALIBRATED_HOW}" if held else None}
+            "calibrated": calibrated, "calibration": str(found.path) if calibrated and found is not None else None,
+            "note": f"{reason}; {calibration.UNCALIBRATED_HOW}" if held else None}
 
 
 def wal_reset_race(version: str) -> bool:
@@ -168,4 +171,6 @@ def _gate_line(gate: dict[str, Any]) -> str:
         return f"gate              : unknown ({gate['error']})"
     state = {True: "calibrated", False: "not calibrated", None: "model not found"}[gate.get("calibrated")]
     line = f"gate              : {gate.get('gate')} on {gate.get('model')} (evict_at {gate.get('evict_at')}): {state}"
+    if gate.get("calibration"):
+        line += f" ({gate['calibration']})"
     return line + (f"\n  {gate['note']}" if gate.get("note") else "")

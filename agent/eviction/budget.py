@@ -20,7 +20,7 @@ readout off (so no importance, certificate or sketch query rows, and a gate has 
 readout comes back a turn's worth of tokens before the threshold (:attr:`readout_lead`), so the round
 that first evicts is scored by the attention of the question and answer that crossed it.
 
-Under ``gate = "auto"`` on a model the gate was not calibrated for (``calibration.covers``), an evicting policy
+Under ``gate = "auto"`` on a model without a calibration (``calibration.for_model``), an evicting policy
 does not apply at any length (:attr:`CacheManager.full_reason`): the calibrated floor sits where such a model's
 turns never reach it, so the gate would never fire and eviction would forget silently. An explicit threshold or
 ``gate = "off"`` is the user's choice and evicts as configured.
@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from agent import models
 from agent.config import Budget, Config, GateThreshold
 from agent.events import Hook
 from agent.eviction import policies
@@ -88,8 +87,10 @@ class EvictionSettings:
 class CacheManager:
     """Budget, protected set and eviction rounds for one engine's cache."""
 
-    def __init__(self, engine: Engine, config: Config) -> None:
+    def __init__(self, engine: Engine, config: Config, model: calibration.ModelCalibration | None) -> None:
+        """``model``: the engine's model's calibration (:func:`calibration.for_model`; None: it has none)."""
         self.engine = engine
+        self.model_calibration = model
         self.settings = EvictionSettings.from_config(config)
         self.policy: policies.Policy = policies.from_config(config)
         self.round = 0
@@ -103,8 +104,6 @@ class CacheManager:
         but the history it reads is no shorter: eviction, once begun, goes on)."""
         self._importance: list[patched.Importance] = []
         """Attention readings since the last eviction (the question's window; at turn end also the closing's)."""
-        self._model_sha256: str | None = None
-        """The model's GGUF hash, read when first needed (hashing a file that is not a registry one takes seconds)."""
         self.full_reason: str | None = None
         """Why the evicting policy does not apply at any history length (None: it applies from ``evict_from``)."""
         self.reconfigure(config)
@@ -122,7 +121,10 @@ class CacheManager:
         sketched = self.policy.sampled and self.policy.evicts and self.full_reason is None
         layers = settings.sketch_layers
         if layers is None:
-            layers = calibration.sketch_layers(self.engine.info.layer_windows, settings.evict_at)
+            gate = self.model_calibration.gate(settings.evict_at) if self.model_calibration is not None else None
+            windows = self.engine.info.layer_windows
+            layers = (gate.sketch_layers(windows) if gate is not None
+                      else calibration.fallback_sketch_layers(windows, settings.evict_at))
         self.engine.set_sketch(layers if sketched else (), settings.sketch_bits, settings.cert_window)
         if self.policy.reads_attention:
             self.set_readout(True)
@@ -130,16 +132,16 @@ class CacheManager:
             self.engine.set_readout(False, self.engine.readout[1])
 
     def _uncalibrated(self) -> str | None:
-        """:data:`calibration.UNCALIBRATED` when the policy evicts under ``gate = "auto"`` on a model the gate's
-        calibration does not cover; None otherwise (a threshold or "off" was chosen, or nothing is evicted)."""
+        """:data:`calibration.UNCALIBRATED` (or :data:`calibration.REJECTED`, with why) when the policy evicts under
+        ``gate = "auto"`` on a model without an accepted gate calibration for ``evict_at``; None otherwise (a
+        threshold or "off" was chosen, or nothing is evicted)."""
         if not self.policy.evicts or not self.settings.gate.auto:
             return None
-        if self._model_sha256 is None:
-            try:
-                self._model_sha256 = models.gguf_sha256(self.engine.settings.model_path)
-            except OSError:
-                return calibration.UNCALIBRATED  # an unreadable file is no calibrated one: fail safe
-        return None if calibration.covers(self._model_sha256, self.settings.evict_at) else calibration.UNCALIBRATED
+        model = self.model_calibration
+        if model is not None and model.gate(self.settings.evict_at) is not None:
+            return None
+        why = model.rejection(self.settings.evict_at) if model is not None else None
+        return calibration.REJECTED.format(why=why) if why else calibration.UNCALIBRATED
 
     @property
     def readout_rows(self) -> int:

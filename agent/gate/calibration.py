@@ -17,8 +17,11 @@ the larger of τ and ``factor`` × the median of the conversation's last ``windo
 A record holds for the model it was fitted on (``"model_sha256"``, the GGUF's hash; a record naming only a registry
 ``"model"`` holds for that model's file). On another model the floor can sit where that model's turns never reach it
 (docs/results/NOTES.md has a larger model's anomalies against the default model's τ), so the gate never fires and
-eviction forgets silently: :func:`covers` says whether a model has a calibration, and the cache manager keeps such a
-model's cache full under ``gate = "auto"`` (:data:`UNCALIBRATED`).
+eviction forgets silently. Every model therefore has its own calibration (:class:`ModelCalibration`, found by
+:func:`for_model` from the GGUF's hash): one written by ``certchat calibrate`` into the cache dir
+(``calibrations/<sha256>.json``, :func:`user_dir`), else one shipped beside this module (``gate_calibration.json``
+and ``calibrations/*.json``). A model with none is uncalibrated, and the cache manager keeps its cache full under
+``gate = "auto"`` (:data:`UNCALIBRATED`) until it is calibrated.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from agent import models
+from agent import models, paths
 from agent.config import DEFAULT_EVICT_AT, Budget
 from agent.gate import certificate
 from agent.gate.certificate import CertificateForm, Component
 
 PATH = Path(__file__).parent / "gate_calibration.json"
+SHIPPED_DIR = Path(__file__).parent / "calibrations"
+"""Per-model records shipped with certchat, each written by ``certchat calibrate`` (named after the model)."""
 
 # What "auto" means when no calibration file is present (a development checkout mid-study):
 # the question-window maximum, and no threshold — the gate stays off rather than guess.
@@ -45,8 +50,11 @@ FALLBACK_STATISTIC = "question.max"
 
 UNCALIBRATED = "this model's gate is not calibrated: running the full cache (no eviction)"
 """Why an evicting policy under ``gate = "auto"`` keeps a model's cache full (the status line, doctor, the chat)."""
-UNCALIBRATED_HOW = "to evict anyway, give a threshold (--gate TAU) or turn the gate off (--gate off)"
-"""How to get eviction on such a model; the user then chooses what the gate does."""
+REJECTED = "this model's gate calibration was rejected ({why}): running the full cache (no eviction)"
+"""Why a model whose calibration did not catch enough calibration questions keeps its cache full."""
+UNCALIBRATED_HOW = ("calibrate it once with `certchat calibrate MODEL` (minutes), or evict anyway with a threshold "
+                    "(--gate TAU) or with the gate off (--gate off)")
+"""How to get eviction on such a model: calibrate it, or choose what the gate does."""
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,8 @@ def adaptive_tau(tau: float, recent: Sequence[float], rule: Adaptive | None) -> 
 
 @dataclass(frozen=True)
 class GateCalibration:
+    """One calibrated gate: the statistic it reads, its floor τ and rule, and what it was fitted on."""
+
     statistic: str
     tau: float
     rule: str
@@ -83,6 +93,79 @@ class GateCalibration:
     model_sha256: str | None = None
     """The GGUF the record was fitted on (its ``model_sha256``, else the registry's hash of its ``model``)."""
 
+    def tau_for(self, statistic: str) -> float | None:
+        """τ for ``statistic`` when this calibration chose that statistic; None (gate off) otherwise. A certificate
+        statistic's τ holds on the certificate form it was calibrated under (:meth:`tau_form`)."""
+        if self.statistic != statistic:
+            log.warning("gate 'auto' is calibrated for %s, not %s: gate off (give a threshold with --gate)",
+                        self.statistic, statistic)
+            return None
+        return self.tau
+
+    def adaptive(self, statistic: str) -> Adaptive | None:
+        """The adaptive rule of τ for ``statistic`` (None: a fixed τ, or calibrated for another statistic)."""
+        spec = self.record.get("adaptive") if self.statistic == statistic else None
+        return Adaptive(float(spec["factor"]), int(spec["window"])) if spec else None
+
+    def tau_form(self, budget: Budget | str | None = None, model: str | None = None, rounds: int | None = None,
+                 policy: str = "poisson") -> CertificateForm:
+        """The certificate form τ was fitted on: the gate reads a certificate statistic in it, so that a refitted
+        certificate changes what the TUI shows, not when the gate fires. The record keeps the certificate
+        calibration in force when it was fitted (``certificate``); a record from before calibrated certificates
+        holds on sqrt(V̂)/‖ô‖ (times its ``certificate_multiplier`` k, if any)."""
+        rows = self.record.get("certificate")
+        if rows:
+            return certificate.form_for(budget, model, rounds, records=certificate.parse_records(rows), policy=policy)
+        k = self.record.get("certificate_multiplier")
+        return CertificateForm((Component(float(k or 1.0)),))
+
+    def sketch_layers(self, layer_windows: Sequence[int]) -> tuple[int, ...]:
+        """The sketch layers chosen (``sketch_layers = "auto"``) for a model whose layers have the attention windows
+        ``layer_windows`` (0: full attention; ``ModelInfo.layer_windows``): the calibrated ones on a model as deep as
+        the calibration's, the same relative depths on another, each moved to the nearest full-attention layer (a
+        sliding-window layer never sees an evicted position outside its window, so the sketch cannot read it there;
+        the deeper one on a tie); () when the calibrated statistic needs no sketch or every layer has a window."""
+        spec = self.record.get("sketch")
+        n_layer = len(layer_windows)
+        full = [il for il, w in enumerate(layer_windows) if w == 0]
+        if not spec or not spec.get("layers") or not full:
+            return ()
+        layers = [int(x) for x in spec["layers"]]
+        ref = spec.get("n_layer")
+        if ref and int(ref) != n_layer:
+            layers = [min(n_layer - 1, round(x * (n_layer - 1) / (int(ref) - 1))) for x in layers]
+        return tuple(sorted({min(full, key=lambda f: (abs(f - x), -f)) for x in layers if 0 <= x < n_layer}))
+
+
+@dataclass(frozen=True)
+class ModelCalibration:
+    """Everything calibrated for one GGUF: its gate (one record per ``evict_at``) and, when the calibration fitted
+    one, its certificate (the file's ``multipliers``, rows as in ``certificate_calibration.json``)."""
+
+    model_sha256: str
+    path: Path
+    gates: tuple[GateCalibration, ...]
+    certificate: tuple[certificate.Record, ...] = ()
+    model: str | None = None
+
+    def gate(self, evict_at: str = DEFAULT_EVICT_AT) -> GateCalibration | None:
+        """The gate for ``evict_at``; None when none was fitted, or its fit was rejected (``accepted``: false, a gate
+        that missed the calibration probes: such a model keeps the full cache, as one never calibrated)."""
+        return next((g for g in self.gates if g.record["evict_at"] == evict_at and g.record.get("accepted", True)),
+                    None)
+
+    def rejection(self, evict_at: str = DEFAULT_EVICT_AT) -> str | None:
+        """Why the fit for ``evict_at`` was rejected (``rejected_because``); None when it was accepted or is absent."""
+        g = next((g for g in self.gates if g.record["evict_at"] == evict_at), None)
+        if g is None or g.record.get("accepted", True):
+            return None
+        return str(g.record.get("rejected_because") or "its gate missed the calibration questions")
+
+    @property
+    def user_made(self) -> bool:
+        """Written by ``certchat calibrate`` on this machine (not shipped)."""
+        return self.path.parent == user_dir()
+
 
 def _records(path: Path) -> list[dict[str, Any]]:
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -90,17 +173,21 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [{**r, "evict_at": r.get("evict_at", "question")} for r in records]
 
 
+def _gate(record: dict[str, Any]) -> GateCalibration:
+    return GateCalibration(statistic=str(record["statistic"]), tau=float(record["tau"]),
+                           rule=str(record.get("rule", "fillers")), model=record.get("model"),
+                           command=record.get("command"), study_command=record.get("study_command"),
+                           record=record, model_sha256=_fitted_on(record))
+
+
 @lru_cache(maxsize=8)
 def load(path: Path = PATH, evict_at: str = DEFAULT_EVICT_AT) -> GateCalibration | None:
-    """The calibration record for ``evict_at``, or None (logged) when the file is missing, unreadable
-    or has no record for that timing."""
+    """The calibration record for ``evict_at`` in the file at ``path``, or None (logged) when the file is missing,
+    unreadable or has no record for that timing."""
     try:
         for record in _records(path):
             if record["evict_at"] == evict_at:
-                return GateCalibration(statistic=str(record["statistic"]), tau=float(record["tau"]),
-                                       rule=str(record.get("rule", "fillers")), model=record.get("model"),
-                                       command=record.get("command"), study_command=record.get("study_command"),
-                                       record=record, model_sha256=_fitted_on(record))
+                return _gate(record)
         log.warning("no gate calibration for evict_at = %r in %s: gate 'auto' is off", evict_at, path)
     except FileNotFoundError:
         log.warning("no gate calibration at %s: gate 'auto' is off", path)
@@ -117,74 +204,86 @@ def _fitted_on(record: dict[str, Any]) -> str | None:
     return named.sha256 if named else None
 
 
+def read(path: Path) -> list[ModelCalibration]:
+    """The model calibrations a file holds: one per model its gate records were fitted on ([] when unreadable,
+    logged). A per-model file (``certchat calibrate``) also holds that model's certificate (``multipliers``)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        gates = [_gate(r) for r in _records(path)]
+        rows = (data.get("multipliers") or []) if isinstance(data, dict) else []
+        cert = certificate.parse_records(rows)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("unreadable gate calibration %s (%s): skipped", path, err)
+        return []
+    shas = dict.fromkeys(g.model_sha256 for g in gates if g.model_sha256)
+    return [ModelCalibration(sha, path, tuple(g for g in gates if g.model_sha256 == sha), cert,
+                             next((g.model for g in gates if g.model_sha256 == sha), None)) for sha in shas]
+
+
+def user_dir() -> Path:
+    """Where ``certchat calibrate`` writes a model's calibration (one file per GGUF hash)."""
+    return paths.calibrations_dir()
+
+
+def record_path(model_sha256: str) -> Path:
+    """The file ``certchat calibrate`` writes for the GGUF of this hash."""
+    return user_dir() / f"{model_sha256}.json"
+
+
+def shipped_files() -> list[Path]:
+    """The package's calibration files, in the order they are trusted: the per-model records ``certchat calibrate``
+    made, then the gating study's file."""
+    return [*sorted(SHIPPED_DIR.glob("*.json")), PATH]
+
+
+@lru_cache(maxsize=16)
+def for_model(model_sha256: str | None) -> ModelCalibration | None:
+    """The calibration of the GGUF of this hash (``models.gguf_sha256``): for each ``evict_at``, the gate record of
+    the first file that has one, the one ``certchat calibrate`` wrote on this machine before any shipped one; the
+    certificate of the first file that fitted one. None for a model nothing was calibrated for."""
+    if not model_sha256:
+        return None
+    found = [m for path in (record_path(model_sha256), *shipped_files()) if path.exists()
+             for m in read(path) if m.model_sha256 == model_sha256]
+    if not found:
+        return None
+    gates: dict[str, GateCalibration] = {}
+    for m in found:
+        for g in m.gates:
+            gates.setdefault(g.record["evict_at"], g)
+    cert = next((m.certificate for m in found if m.certificate), ())
+    return ModelCalibration(model_sha256, found[0].path, tuple(gates.values()), cert, found[0].model)
+
+
+def of_file(model_path: Path) -> ModelCalibration | None:
+    """The calibration of the GGUF at ``model_path`` (:func:`for_model` of its hash; None when it has none or the
+    file cannot be read, which is no calibrated model either)."""
+    try:
+        return for_model(models.gguf_sha256(model_path))
+    except OSError as err:
+        log.warning("cannot hash %s (%s): treated as uncalibrated", model_path, err)
+        return None
+
+
+def fallback_sketch_layers(layer_windows: Sequence[int], evict_at: str = DEFAULT_EVICT_AT) -> tuple[int, ...]:
+    """Sketch layers for a model without a calibration that evicts anyway (a threshold, or the gate off): the
+    shipped default model's, at the same relative depths."""
+    shipped = load(PATH, evict_at)
+    return shipped.sketch_layers(layer_windows) if shipped is not None else ()
+
+
+def forget() -> None:
+    """Drop what was read (after a calibration is written)."""
+    for_model.cache_clear()
+    load.cache_clear()
+
+
 def covers(model_sha256: str | None, evict_at: str = DEFAULT_EVICT_AT) -> bool:
-    """Whether the gate calibration for ``evict_at`` was fitted on the GGUF of this hash (``models.gguf_sha256``)."""
-    cal = load(PATH, evict_at)
-    return cal is not None and model_sha256 is not None and cal.model_sha256 == model_sha256
-
-
-def default_statistic(evict_at: str = DEFAULT_EVICT_AT) -> str:
-    cal = load(PATH, evict_at)
-    return cal.statistic if cal else FALLBACK_STATISTIC
-
-
-def default_tau(statistic: str, evict_at: str = DEFAULT_EVICT_AT) -> float | None:
-    """τ for ``statistic`` when the calibration for ``evict_at`` chose that statistic; None (gate off) otherwise.
-    A certificate statistic's τ holds on the certificate form it was calibrated under (:func:`tau_form`)."""
-    cal = load(PATH, evict_at)
-    if cal is None:
-        return None
-    if cal.statistic != statistic:
-        log.warning("gate 'auto' is calibrated for %s, not %s: gate off (give a threshold with --gate)",
-                    cal.statistic, statistic)
-        return None
-    return cal.tau
-
-
-def adaptive(statistic: str, evict_at: str = DEFAULT_EVICT_AT) -> Adaptive | None:
-    """The adaptive rule of the calibrated τ for ``statistic`` (None: a fixed τ, or no calibration for it)."""
-    cal = load(PATH, evict_at)
-    spec = cal.record.get("adaptive") if cal is not None and cal.statistic == statistic else None
-    if not spec:
-        return None
-    return Adaptive(float(spec["factor"]), int(spec["window"]))
-
-
-def tau_form(evict_at: str = DEFAULT_EVICT_AT, budget: Budget | str | None = None, model: str | None = None,
-             rounds: int | None = None, policy: str = "poisson") -> CertificateForm | None:
-    """The certificate form the calibrated τ for ``evict_at`` was fitted on: the gate reads a certificate
-    statistic in it, so that a refitted certificate changes what the TUI shows, not when the gate fires. The
-    record keeps the certificate calibration in force when it was fitted (``certificate``); a record from
-    before calibrated certificates holds on sqrt(V̂)/‖ô‖ (times its ``certificate_multiplier`` k, if any).
-    None without a calibration."""
-    cal = load(PATH, evict_at)
-    if cal is None:
-        return None
-    rows = cal.record.get("certificate")
-    if rows:
-        return certificate.form_for(budget, model, rounds, records=certificate.parse_records(rows), policy=policy)
-    k = cal.record.get("certificate_multiplier")
-    return CertificateForm((Component(float(k or 1.0)),))
-
-
-def sketch_layers(layer_windows: Sequence[int], evict_at: str = DEFAULT_EVICT_AT) -> tuple[int, ...]:
-    """The sketch layers the calibration for ``evict_at`` chose (``sketch_layers = "auto"``), for a model whose
-    layers have the attention windows ``layer_windows`` (0: full attention; ``ModelInfo.layer_windows``): the
-    calibrated ones on a model as deep as the calibration's, the same relative depths on another, each moved to
-    the nearest full-attention layer (a sliding-window layer never sees an evicted position outside its
-    window, so the sketch cannot read it there; the deeper one on a tie); () when the calibrated statistic
-    needs no sketch or every layer has a window."""
-    cal = load(PATH, evict_at)
-    spec = cal.record.get("sketch") if cal is not None else None
-    n_layer = len(layer_windows)
-    full = [il for il, w in enumerate(layer_windows) if w == 0]
-    if not spec or not spec.get("layers") or not full:
-        return ()
-    layers = [int(x) for x in spec["layers"]]
-    ref = spec.get("n_layer")
-    if ref and int(ref) != n_layer:
-        layers = [min(n_layer - 1, round(x * (n_layer - 1) / (int(ref) - 1))) for x in layers]
-    return tuple(sorted({min(full, key=lambda f: (abs(f - x), -f)) for x in layers if 0 <= x < n_layer}))
+    """Whether the model of this hash has a gate calibration for ``evict_at``."""
+    found = for_model(model_sha256)
+    return found is not None and found.gate(evict_at) is not None
 
 
 def is_certificate_statistic(statistic: str) -> bool:
@@ -202,5 +301,16 @@ def write(record: dict[str, Any], path: Path = PATH) -> Path:
     records = sorted([*others, record], key=lambda r: r["evict_at"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"calibrations": records}, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    load.cache_clear()
+    forget()
+    return path
+
+
+def write_model(document: dict[str, Any], path: Path) -> Path:
+    """Write a model's calibration file (``{"calibrations": [gate records], "certificate": [rows], …}``, what
+    ``certchat calibrate`` makes) atomically: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    forget()
     return path

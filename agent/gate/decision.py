@@ -283,6 +283,10 @@ class GateSettings:
 
     threshold: GateThreshold
     """"auto" (the calibrated τ, which follows the conversation), off, or a fixed τ."""
+    calibrated: calibration.GateCalibration | None
+    """The model's calibrated gate for ``evict_at`` (None: the model has none, and "auto" is off)."""
+    certificate_records: tuple[certificate.Record, ...] | None
+    """The model's own certificate calibration (None: the shipped one's rows for it, or the largest of them)."""
     statistic: str
     """The turn statistic compared with τ, "auto" resolved to the calibrated one for ``evict_at``."""
     evict_at: str
@@ -295,10 +299,13 @@ class GateSettings:
     reread_copy: bool
 
     @classmethod
-    def from_config(cls, config: Config) -> GateSettings:
+    def from_config(cls, config: Config, model: calibration.ModelCalibration | None) -> GateSettings:
         stat = config.gate_stat
-        return cls(threshold=config.gate_threshold,
-                   statistic=calibration.default_statistic(config.evict_at) if stat == "auto" else stat,
+        cal = model.gate(config.evict_at) if model is not None else None
+        auto = cal.statistic if cal is not None else calibration.FALLBACK_STATISTIC
+        return cls(threshold=config.gate_threshold, calibrated=cal,
+                   certificate_records=model.certificate if model is not None and model.certificate else None,
+                   statistic=auto if stat == "auto" else stat,
                    evict_at=config.evict_at, budget=config.kv_budget, model=config.model, policy=config.policy,
                    page_size=config.page_size, answer_certificate=config.answer_certificate,
                    reread_budget=config.reread_budget, reread_copy=config.reread_copy)
@@ -307,8 +314,10 @@ class GateSettings:
 class Gate:
     """The gate of one session: threshold, statistic, the turn's certificates, and the re-read planner."""
 
-    def __init__(self, config: Config) -> None:
-        self.settings = GateSettings.from_config(config)
+    def __init__(self, config: Config, model: calibration.ModelCalibration | None) -> None:
+        """``model``: the model's calibration (:func:`calibration.for_model`; None: it has none)."""
+        self.model_calibration = model
+        self.settings = GateSettings.from_config(config, model)
         self.turn = TurnCertificates()
         self.copy: ReadCopy | None = None
         self._paid: dict[int, list[np.ndarray]] = {}
@@ -326,7 +335,7 @@ class Gate:
         design is sampled)."""
 
     def reconfigure(self, config: Config) -> None:
-        self.settings = GateSettings.from_config(config)
+        self.settings = GateSettings.from_config(config, self.model_calibration)
         self._tau = None
 
     # -- threshold and statistic ------------------------------------------------------
@@ -343,13 +352,12 @@ class Gate:
         return self._tau[0]
 
     def _work_out_threshold(self) -> float | None:
-        gate = self.settings.threshold
+        gate, cal = self.settings.threshold, self.settings.calibrated
         if gate.auto:
-            tau = calibration.default_tau(self.statistic, self.settings.evict_at)
-            if tau is None:
+            tau = cal.tau_for(self.statistic) if cal is not None else None
+            if tau is None or cal is None:
                 return None
-            return calibration.adaptive_tau(tau, self._recent,
-                                            calibration.adaptive(self.statistic, self.settings.evict_at))
+            return calibration.adaptive_tau(tau, self._recent, cal.adaptive(self.statistic))
         return gate.tau
 
     def implicating_level(self, tau: float) -> float:
@@ -357,10 +365,11 @@ class Gate:
         a fixed τ; for an adaptive one, the calibrated floor or the conversation's ordinary turn peak (the median
         the bar multiplies), whichever is higher — the bar decides whether the turn stands out, and every message
         above the ordinary peak is part of what it points at (the bar alone would bring back only the top one)."""
-        if not self.settings.threshold.auto:
+        cal = self.settings.calibrated
+        if not self.settings.threshold.auto or cal is None:
             return tau
-        floor = calibration.default_tau(self.statistic, self.settings.evict_at)
-        rule = calibration.adaptive(self.statistic, self.settings.evict_at)
+        floor = cal.tau_for(self.statistic)
+        rule = cal.adaptive(self.statistic)
         if floor is None or rule is None or not self._recent:
             return tau
         return min(tau, max(floor, rule.ordinary(self._recent)))
@@ -368,16 +377,15 @@ class Gate:
     def certificate_form(self, rounds: int) -> CertificateForm:
         """The certificate shown for this policy, model and budget after ``rounds`` eviction rounds
         (agent.gate.certificate)."""
-        return certificate.form_for(self.settings.budget, self.settings.model, rounds, policy=self.settings.policy)
+        return certificate.form_for(self.settings.budget, self.settings.model, rounds, policy=self.settings.policy,
+                                    records=self.settings.certificate_records)
 
     def decision_form(self) -> CertificateForm:
-        """The form the gate compares with τ: a calibrated τ's own (agent.gate.calibration.tau_form), else the
+        """The form the gate compares with τ: a calibrated τ's own (GateCalibration.tau_form), else the
         certificate shown (an explicit threshold is read on what the user sees)."""
-        if self.settings.threshold.auto and calibration.is_certificate_statistic(self.statistic):
-            form = calibration.tau_form(self.settings.evict_at, self.settings.budget, self.settings.model,
-                                        self.turn.rounds, self.settings.policy)
-            if form is not None:
-                return form
+        cal = self.settings.calibrated
+        if self.settings.threshold.auto and cal is not None and calibration.is_certificate_statistic(self.statistic):
+            return cal.tau_form(self.settings.budget, self.settings.model, self.turn.rounds, self.settings.policy)
         return self.turn.form
 
     def wants_answer_certificates(self) -> bool:

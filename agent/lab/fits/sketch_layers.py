@@ -27,7 +27,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -129,6 +129,34 @@ class Scorer:
         return float(np.log(max(np.median(p), 1e-9)) - np.log(max(np.quantile(f, 0.9), 1e-9)))
 
 
+def ranking(scorer: Scorer) -> Callable[[tuple[int, ...]], tuple[float, float, float, int]]:
+    """The order subsets are chosen in, best last: the AUC against the later-half fillers first (the harder test:
+    the turn's position no longer separates there), then against all fillers, then the margin, then fewer layers.
+    AUCs are compared to 3 decimals: a difference of a pair or two of turns in a thousand is no difference, and the
+    margin (how far the probes sit above the fillers' tail, what a threshold needs) decides."""
+    memo: dict[tuple[int, ...], tuple[float, float, float, int]] = {}
+
+    def key(idx: tuple[int, ...]) -> tuple[float, float, float, int]:
+        if idx not in memo:
+            a_all, a_late = scorer.auc_pair(idx)
+            memo[idx] = (round(a_late, 3), round(a_all, 3), scorer.margin(idx), -len(idx))
+        return memo[idx]
+
+    return key
+
+
+def readable(scorer: Scorer) -> list[int]:
+    """The recorded layers (indices) whose reading is finite on every turn. A layer whose attention logits overflow
+    the sketch's scoring reads NaN, and a gate reading NaN fails closed: it would fire on every turn."""
+    return [i for i in range(scorer.m.shape[1]) if np.isfinite(scorer.m[:, i]).all()]
+
+
+def ranked(scorer: Scorer, candidates: Sequence[int], max_layers: int) -> list[tuple[int, ...]]:
+    """Every subset of at most ``max_layers`` of the ``candidates`` (recorded layers' indices), best first."""
+    subsets = [idx for k in range(1, max_layers + 1) for idx in itertools.combinations(candidates, k)]
+    return sorted(subsets, key=ranking(scorer), reverse=True)
+
+
 def _auc(pos: np.ndarray, neg: np.ndarray) -> float:
     if not len(pos) or not len(neg):
         return math.nan
@@ -205,14 +233,7 @@ def main() -> int:
         for idx in itertools.combinations(everything, k):
             scored[idx] = cal.auc_pair(idx)
 
-    margins: dict[tuple[int, ...], float] = {}
-
-    def key(idx: tuple[int, ...]) -> tuple[float, float, float, int]:
-        # later-half first (the harder test), then all fillers, then the margin, then fewer layers
-        a_all, a_late = scored[idx]
-        if idx not in margins:
-            margins[idx] = cal.margin(idx)
-        return (round(a_late, 6), round(a_all, 6), margins[idx], -len(idx))
+    key = ranking(cal)
 
     current = max((i for i in scored if len(i) == min(args.exhaustive, n_max)), key=key, default=())
     while len(current) < n_max:
@@ -229,7 +250,7 @@ def main() -> int:
         print("| subset | layers | B/token int8 / int4 | calibration AUC | held-out AUC |")
         print("|---|---|---|---|---|")
         for idx in best:
-            row(f"{_name([layers[i] for i in idx])} (margin {margins[idx]:.2f})", idx, scored[idx], held.auc_pair(idx))
+            row(f"{_name([layers[i] for i in idx])} (margin {key(idx)[2]:.2f})", idx, scored[idx], held.auc_pair(idx))
     # per layer alone: where the signal is
     print()
     print("single layers (calibration later-half AUC): " + ", ".join(

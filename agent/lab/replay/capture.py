@@ -700,7 +700,7 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
     and returns per design and protocol the coverage of each certificate form. The headline (``coverage``,
     ``n_cells``, ``spearman``, ``protocol``) is the first design's first protocol, ``shipped`` form, over
     the certified turns (an uncertified turn fires the gate whatever it reads)."""
-    from agent.gate import certificate  # noqa: PLC0415
+    from agent.gate import calibration, certificate  # noqa: PLC0415
     from agent.lab.replay import batch  # noqa: PLC0415
     from agent.lab.replay.runner import base_policy  # noqa: PLC0415
 
@@ -708,6 +708,8 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
     settings.policies = list(dict.fromkeys(v.replace("poisson+gate", "poisson", 1) for v in variants))
     settings.plots = False
     model_path = batch._model_identity(settings.model or base.model)[0]
+    found = calibration.of_file(model_path)
+    own = found.certificate if found is not None else ()
     out_dir = Path(settings.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     with ProductCoverage(model_path, settings.threads or 1) as obs:
@@ -730,9 +732,10 @@ def run_coverage(scripts: list[Any], settings: Any, base: Any) -> dict[str, Any]
         mine = [t for t in turns if t["label"] == label]
         certified = np.array([not mine_t["uncertified"] for mine_t in turns], dtype=bool)[a["turn"].astype(int)]
         sub = {k: v[certified] for k, v in a.items()}
-        # what the product shows for this policy (a variant of it runs under the same name and calibration)
+        # what the product shows for this policy (a variant of it runs under the same name and calibration): the
+        # model's own certificate where its calibration fitted one (Gate.certificate_form)
         form = certificate.form_for(budget, model_name, certificate.PROTOCOL_ROUNDS.get(protocol, 2),
-                                    policy=base_policy(policy))
+                                    policy=base_policy(policy), records=own or None)
         by_script: dict[str, Any] = {}
         script_of = np.array([t["script"] for t in turns])[sub["turn"].astype(int)] if len(sub["turn"]) else []
         for name in sorted(set(script_of)):

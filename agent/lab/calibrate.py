@@ -1,0 +1,365 @@
+"""``certchat calibrate [MODEL]``: fit a model's gate and certificate on the calibration scripts, and write its record.
+
+A model's gate floor τ, its sketch layers and its certificate's multiplier hold for the model they were fitted on
+(agent/gate/calibration.py); a model without them keeps the full cache under ``gate = "auto"``. This command fits
+all three, in one replay and three offline fits:
+
+1. **Replay.** The calibration scripts (recall30 seeds 02–05 unless ``--scripts``) under ungated Poisson eviction
+   at each budget, from the first turn, every scripted turn answered (fillers too, so the gate's false alarms are
+   measured), the evicted-key sketch reading every full-attention layer, and the coverage observer capturing the
+   certificate's cells at every probe (agent/lab/replay/capture.py).
+2. **Sketch layers.** Of the recorded layers, the subset of at most ``--sketch-max-layers`` that best separates the
+   probes from the fillers (agent/lab/fits/sketch_layers.py's ranking: AUC against later-half fillers first).
+   ``sketch.max`` for a subset is recomputed exactly from the per-layer shares each turn recorded.
+3. **Gate.** ``sketch.max`` in those layers; the floor τ by the adaptive rule (τ at 2.5% of the calibration
+   fillers, the bar max(τ, 2 × the median of the chat's last 20 turns): the rule of agent/lab/replay/studies.py,
+   the same for every model), with leave-one-script-out figures and the turn-index baseline beside them.
+4. **Certificate.** Per budget, the drift λ per layer and the multiplier k (agent.gate.certificate.fit, the
+   conversation as the exchangeable unit) on the captured cells, with its in-sample coverage.
+
+The record goes to the user's calibration dir, keyed by the GGUF's hash (``--ship`` writes the package's copy, for
+a registry model). A fit whose gate does not catch at least ``--min-probe-rate`` of the calibration probes is
+written as rejected: the model then keeps the full cache, and the record says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from agent import config as config_mod
+from agent import models
+from agent.cli import errors as cli_errors
+from agent.gate import calibration, certificate
+from agent.gate.calibration import Adaptive
+from agent.gate.decision import recorded_ratios
+from agent.lab.replay.rank_stats import auc
+
+FIXTURES = Path(__file__).parent / "replay" / "fixtures" / "recall30"
+CALIBRATION_SCRIPTS = tuple(FIXTURES / f"seed-{n:02d}.jsonl" for n in (2, 3, 4, 5))
+"""recall30 seeds 02–05: the calibration split (00, 01 and 06–09 are held out for the transfer check)."""
+STATISTIC = "sketch.max"
+FORMAT = "certchat-calibration"
+
+
+class CalibrationError(cli_errors.UsageError):
+    """A calibration that cannot run (no such model, no scripts, nothing recorded)."""
+
+
+# -- the offline fits -------------------------------------------------------------------------
+def _steps(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every evicting turn of the replay, with its run, script and seed (studies.adaptive_thresholds' shape)."""
+    return [{**s, "script": run["script"], "seed": run["seed"], "budget": run["budget"],
+             "_run": (run["script"], run["budget"], run["seed"])}
+            for run in doc["runs"] for s in run["steps"] if s.get("kind") in ("probe", "filler")]
+
+
+def rescore(steps: list[dict[str, Any]], layers: Sequence[int]) -> None:
+    """Set each step's ``sketch.max`` to its value in ``layers`` (a subset of those it recorded): the largest share
+    over baseline of any mostly evicted message in any of those layers, 0 where none qualifies."""
+    for s in steps:
+        detail = s.get("certificate_detail")
+        if not detail or detail.get("sketch.layers") is None:
+            continue
+        recorded = [int(x) for x in detail["sketch.layers"]]
+        idx = [recorded.index(x) for x in layers]
+        ratios = recorded_ratios(detail.get("sketch.messages") or {})
+        detail[STATISTIC] = max((float(np.max(r[idx])) for r in ratios.values()), default=0.0)
+
+
+def _value(step: dict[str, Any]) -> float | None:
+    v = (step.get("certificate_detail") or {}).get(STATISTIC)
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def floor_tau(steps: list[dict[str, Any]], target: float) -> float | None:
+    """The smallest τ whose gate fires on at most ``target`` of the fillers (fired: value ≥ τ)."""
+    values = sorted(v for s in steps if s["kind"] == "filler" and (v := _value(s)) is not None)
+    if not values:
+        return None
+    allowed = int(math.floor(target * len(values)))
+    return float(np.nextafter(values[len(values) - allowed - 1], math.inf))
+
+
+def gate_rates(steps: list[dict[str, Any]], tau: float | None, rule: Adaptive) -> dict[str, Any]:
+    """Probes and fillers the adaptive gate fires on, as the chat runs it (each run's bar follows its turns)."""
+    from agent.lab.replay import studies  # noqa: PLC0415 — the replay package loads llama.cpp bindings lazily
+
+    bars = studies.adaptive_thresholds(steps, STATISTIC, tau, rule)
+    fired = [bar is not None and (v := _value(s)) is not None and v >= bar for s, bar in zip(steps, bars)]
+    last: dict[Any, int] = {}
+    for s in steps:
+        last[s["_run"]] = max(last.get(s["_run"], 0), int(s["turn"]))
+    probes = [f for s, f in zip(steps, fired) if s["kind"] == "probe"]
+    fillers = [f for s, f in zip(steps, fired) if s["kind"] == "filler"]
+    late = [f for s, f in zip(steps, fired) if s["kind"] == "filler" and int(s["turn"]) * 2 >= last[s["_run"]]]
+
+    def rate(xs: list[bool]) -> float | None:
+        return float(np.mean(xs)) if xs else None
+
+    return {"probe_gate_rate": rate(probes), "filler_gate_rate": rate(fillers), "late_filler_gate_rate": rate(late),
+            "n_probes": len(probes), "n_fillers": len(fillers),
+            "missed_probes": [f"{s['script']} {s['budget']} turn {s['turn']}" for s, f in zip(steps, fired)
+                              if s["kind"] == "probe" and not f]}
+
+
+def separation(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Probe-vs-filler AUCs of the statistic beside the turn-index baseline, against all and later-half fillers."""
+    last: dict[Any, int] = {}
+    for s in steps:
+        last[s["_run"]] = max(last.get(s["_run"], 0), int(s["turn"]))
+    out: dict[str, Any] = {}
+    for name, get in ((STATISTIC, lambda s: _value(s) or 0.0), ("turn_index", lambda s: float(s["turn"]))):
+        probes = [get(s) for s in steps if s["kind"] == "probe"]
+        fillers = [get(s) for s in steps if s["kind"] == "filler"]
+        late = [get(s) for s in steps if s["kind"] == "filler" and int(s["turn"]) * 2 >= last[s["_run"]]]
+        out[name] = {"auc_all_fillers": auc(probes, fillers), "auc_later_fillers": auc(probes, late)}
+    return out
+
+
+def fit_gate(steps: list[dict[str, Any]], target: float, rule: Adaptive) -> dict[str, Any]:
+    """τ on every script, its figures, and each script's figures at the τ fitted without it."""
+    tau = floor_tau(steps, target)
+    held_out = []
+    scripts = sorted({s["script"] for s in steps})
+    if len(scripts) > 1:
+        for name in scripts:
+            t = floor_tau([s for s in steps if s["script"] != name], target)
+            mine = [s for s in steps if s["script"] == name]
+            held_out.append({"script": name, "tau": t, **gate_rates(mine, t, rule)})
+    return {"tau": tau, "in_sample": gate_rates(steps, tau, rule), "leave_one_script_out": held_out,
+            "separation": separation(steps)}
+
+
+def choose_layers(results: Path, budgets: Sequence[str],
+                  max_layers: int) -> tuple[list[int], list[dict[str, Any]], list[int]]:
+    """The best subset of the recorded layers pooled over the budgets, from a replay's results; the five best with
+    their AUCs; the layers left out because their reading was not finite."""
+    from agent.lab.fits import sketch_layers as fit  # noqa: PLC0415
+
+    layers: list[int] = []
+    turns: list[Any] = []
+    for budget in budgets:
+        try:
+            layers, mine = fit.load_turns([results], "poisson", budget)
+        except SystemExit as err:  # the fit script's own message, as a one-line error here
+            raise CalibrationError(f"calibrate: {err}") from None
+        turns += mine
+    scorer = fit.Scorer(turns, len(layers))
+    candidates = fit.readable(scorer)
+    if not candidates:
+        raise CalibrationError("calibrate: the sketch read no layer finitely on every turn; this model cannot be "
+                               "calibrated (run it with the full cache, --policy full)")
+    ranked = fit.ranked(scorer, candidates, max_layers)
+    unreadable = [layers[i] for i in range(len(layers)) if i not in candidates]
+    top = []
+    for idx in ranked[:5]:
+        a_all, a_late = scorer.auc_pair(idx)
+        top.append({"layers": [layers[i] for i in idx], "auc_later_fillers": a_late, "auc_all_fillers": a_all,
+                    "margin": scorer.margin(idx)})
+    return [layers[i] for i in ranked[0]], top, unreadable
+
+
+def fit_certificate(observed: Any, model: str, n_layer: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per budget, the certificate's λ and k fitted on the captured cells (certified turns; each conversation a
+    group), as ``multipliers`` rows, and their in-sample coverage at the nominal level."""
+    rows, checks = [], []
+    turns = list(observed.seen.turns)
+    for label in list(observed.seen.cells):
+        policy, budget, protocol = label.rsplit(" ", 2)
+        cells = observed.arrays(label)
+        turn = cells["turn"].astype(int)
+        keep = np.array([not turns[t]["uncertified"] for t in turn], dtype=bool)
+        if not keep.any():
+            continue
+        script = np.array([turns[t]["script"] for t in turn])[keep]
+        err, v_hat, o_norm2, layer = (cells[k][keep] for k in ("err", "v_hat", "o_norm2", "layer"))
+        comp = certificate.fit(err, v_hat, o_norm2, layer, n_layer, groups=script)
+        lam = np.asarray(comp.drift)[layer.astype(np.int64)]
+        shown = comp.multiplier * np.sqrt(np.maximum(v_hat, 0.0) + lam * o_norm2)  # the certificate × ‖ô‖
+        rounds = certificate.rounds_class(certificate.PROTOCOL_ROUNDS.get(protocol, 2))
+        rows.append({"policy": policy, "model": model, "budget": budget, "rounds": rounds,
+                     "multiplier": comp.multiplier, "drift": list(comp.drift), "n_layer": n_layer,
+                     "n_calibration_cells": int(keep.sum()), "protocols": [protocol]})
+        checks.append({"budget": budget, "protocol": protocol, "n_cells": int(keep.sum()),
+                       "coverage": float(np.mean(err <= shown)), "nominal": certificate.NOMINAL})
+    return rows, checks
+
+
+# -- the command --------------------------------------------------------------------------------
+def _say(text: str) -> None:
+    print(f"calibrate: {text}", file=sys.stderr, flush=True)
+
+
+def _full_attention_layers(path: Path) -> tuple[int, int, list[int]]:
+    """(n_layer, n_ctx_train, the layers that see every earlier position) of the GGUF at ``path``."""
+    from native import llama  # noqa: PLC0415 — loads llama.cpp
+
+    model = llama.Model(path)
+    try:
+        info = model.info()
+    finally:
+        model.close()
+    return info.n_layer, info.n_ctx_train, [il for il, w in enumerate(info.layer_windows) if w == 0]
+
+
+def calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    """Replay, fit and return the model's calibration document (not yet written)."""
+    from agent.lab.replay import aggregate, batch, runner, script  # noqa: PLC0415
+    from agent.lab.replay.capture import ProductCoverage  # noqa: PLC0415
+    from agent.lab.replay.report import command_line, git_commit, machine  # noqa: PLC0415
+
+    started = time.monotonic()
+    base = config_mod.load()
+    name = args.model or base.model
+    path = models.resolve(name)
+    sha = models.gguf_sha256(path)
+    display = models.display_name(name, path)
+    sources = [Path(p) for p in args.scripts] if args.scripts else list(CALIBRATION_SCRIPTS)
+    scripts = [script.load(p) for p in sources]
+    budgets = runner.parse_budgets(args.budget)
+    n_layer, _, full = _full_attention_layers(path)
+    if not full:
+        raise CalibrationError(f"calibrate: every layer of {display} attends through a sliding window, so no sketch "
+                               "can read what eviction removed; run it with the full cache (--policy full)")
+    out = args.from_results or args.out or Path(tempfile.mkdtemp(prefix="certchat-calibrate-"))
+    settings = batch.Settings(out=out, policies=["poisson"], budgets=budgets, gate="off", model=name,
+                              max_tokens=args.max_tokens, threads=args.threads, plots=False,
+                              progress=not args.no_progress, generate_fillers=True,
+                              command=command_line(getattr(args, "argv", None)))
+    cfg = base.replace(model=name, threads=args.threads, evict_from=0,
+                       sketch_layers=",".join(str(il) for il in full))
+    fitted = out / "certificate-fit.json"
+    if args.from_results:
+        _say(f"{display}: refitting on the replay in {out}")
+        doc = aggregate.read_results(batch.results_path(settings))
+        if doc["meta"].get("model_sha256") != sha:
+            raise CalibrationError(f"calibrate: {out} holds a replay of {doc['meta'].get('model')}, not {display}")
+        multipliers, coverage = json.loads(fitted.read_text(encoding="utf-8")) if fitted.exists() else ([], [])
+        settings.command = f"{doc['meta'].get('command')} && {settings.command}"
+        started -= sum(float(run.get("wall_s") or 0.0) for run in doc["runs"])  # the replay's own time counts
+    else:
+        n_jobs = len(scripts) * len(budgets)
+        captured = ", the certificate captured at every probe" if args.certificate else ""
+        _say(f"{display} ({sha[:12]}…): replaying {len(scripts)} script(s) at {', '.join(budgets)} ({n_jobs} runs, "
+             f"the sketch reading {len(full)} layers{captured}); work folder {out}")
+        if args.certificate:
+            with ProductCoverage(path, args.threads or cfg.threads) as observed:
+                doc = batch.run(scripts, settings, cfg, observe=observed.attach)
+                multipliers, coverage = fit_certificate(observed, display, n_layer)
+        else:
+            doc = batch.run(scripts, settings, cfg)
+            multipliers, coverage = [], []
+        fitted.write_text(json.dumps([multipliers, coverage]) + "\n", encoding="utf-8")
+    replayed = time.monotonic() - started  # with --from-results, the earlier replay's runs
+
+    _say("choosing the sketch layers")
+    layers, top, unreadable = choose_layers(batch.results_path(settings), budgets, args.sketch_max_layers)
+    steps = _steps(doc)
+    rescore(steps, layers)
+    rule = Adaptive(*ADAPTIVE_RULE)
+    _say(f"fitting the gate on sketch layers {','.join(map(str, layers))}")
+    gate = fit_gate(steps, FILLER_TARGET, rule)
+    probe_rate = gate["in_sample"]["probe_gate_rate"]
+    accepted = gate["tau"] is not None and probe_rate is not None and probe_rate >= args.min_probe_rate
+    record = {
+        "statistic": STATISTIC, "tau": gate["tau"], "rule": "adaptive", "filler_target": FILLER_TARGET,
+        "adaptive": {"factor": rule.factor, "window": rule.window}, "evict_at": cfg.evict_at,
+        "budgets": budgets, "protocol": "multi-round", "accepted": bool(accepted),
+        **({} if accepted else {"rejected_because": f"the gate caught {probe_rate or 0:.0%} of the calibration "
+                                                    f"probes, under the {args.min_probe_rate:.0%} required"}),
+        "in_sample": gate["in_sample"], "leave_one_script_out": gate["leave_one_script_out"],
+        "separation": gate["separation"],
+        "sketch": {"layers": layers, "bits": cfg.sketch_bits, "n_layer": n_layer, "recorded": full,
+                   "max_layers": args.sketch_max_layers, "best_subsets": top, "unreadable": unreadable},
+        "model": display, "model_sha256": sha, "command": settings.command, "machine": machine(),
+    }
+    return {"format": FORMAT, "version": 1, "model": display, "model_sha256": sha,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "command": settings.command, "machine": machine(),
+            "threads": cfg.threads, "max_tokens": args.max_tokens,
+            "scripts": [str(p) for p in sources], "wall_s": {"replay": replayed, "total": time.monotonic() - started},
+            "calibrations": [record], "multipliers": multipliers, "coverage_in_sample": coverage}
+
+
+FILLER_TARGET = 0.025
+"""The floor τ: the gate fires on at most this share of the calibration fillers (a quiet chat's bar)."""
+ADAPTIVE_RULE = (2.0, 20)
+"""The adaptive bar: max(τ, 2 × the median of the chat's last 20 turn statistics), the same rule for every model."""
+
+
+def summary(document: dict[str, Any], path: Path) -> str:
+    """What a calibration found, in a few lines."""
+    gate = document["calibrations"][0]
+    ins, sep = gate["in_sample"], gate["separation"]
+
+    def pct(x: float | None) -> str:
+        return "—" if x is None else f"{x:.0%}"
+
+    def num(x: float | None) -> str:
+        return "—" if x is None else f"{x:.2f}"
+
+    verdict = "calibrated" if gate["accepted"] else "NOT calibrated: " + gate["rejected_because"]
+    lines = [f"{document['model']}: {verdict}",
+             f"  sketch layers {','.join(map(str, gate['sketch']['layers']))} of {gate['sketch']['n_layer']}; "
+             f"floor τ {num(gate['tau'])}, bar max(τ, {gate['adaptive']['factor']:g} × median of the last "
+             f"{gate['adaptive']['window']} turns)",
+             f"  calibration scripts: probes gated {pct(ins['probe_gate_rate'])} of {ins['n_probes']}, fillers "
+             f"{pct(ins['filler_gate_rate'])} of {ins['n_fillers']} (later half {pct(ins['late_filler_gate_rate'])})",
+             f"  probe-vs-filler AUC (all / later-half fillers): {STATISTIC} "
+             f"{num(sep[STATISTIC]['auc_all_fillers'])} / {num(sep[STATISTIC]['auc_later_fillers'])}, turn index "
+             f"{num(sep['turn_index']['auc_all_fillers'])} / {num(sep['turn_index']['auc_later_fillers'])}"]
+    for row, check in zip(document["multipliers"], document["coverage_in_sample"]):
+        lines.append(f"  certificate at {row['budget']}: k {row['multiplier']:.2f}, in-sample coverage "
+                     f"{check['coverage']:.3f} of {check['n_cells']} cells (nominal {check['nominal']:.2f})")
+    lines.append(f"  took {document['wall_s']['total'] / 60:.1f} min; written to {path}")
+    return "\n".join(lines)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.sketch_max_layers < 1:
+        raise CalibrationError("calibrate: --sketch-max-layers must be at least 1")
+    if not 0.0 <= args.min_probe_rate <= 1.0:
+        raise CalibrationError("calibrate: --min-probe-rate is a share between 0 and 1, e.g. 0.9")
+    document = calibrate(args)
+    path = calibration.record_path(document["model_sha256"])
+    if args.ship:
+        if document["model"] not in models.REGISTRY:
+            raise CalibrationError(f"calibrate: --ship is for registry models, not {document['model']}")
+        path = calibration.SHIPPED_DIR / f"{document['model']}.json"
+    calibration.write_model(document, path)
+    print(summary(document, path))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="fit a model's gate and certificate (minutes), so that it evicts safely",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="registry name or GGUF path (default: the configured model)")
+    p.add_argument("--scripts", nargs="+", metavar="SCRIPT",
+                   help="calibration scripts (default: recall30 seeds 02–05, the calibration split)")
+    p.add_argument("--budget", default="10%,25%", help="KV budgets to calibrate on (default 10%%,25%%)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: the config's)")
+    p.add_argument("--max-tokens", type=int, default=48, dest="max_tokens", help="longest generated answer")
+    p.add_argument("--sketch-max-layers", type=int, default=2, dest="sketch_max_layers",
+                   help="layers the sketch may keep (default 2: 1/8 of a K row per evicted token at int8)")
+    p.add_argument("--min-probe-rate", type=float, default=0.9, dest="min_probe_rate",
+                   help="share of calibration probes the gate must catch for the model to evict (default 0.9)")
+    p.add_argument("--no-certificate", action="store_false", dest="certificate",
+                   help="skip the certificate's fit (faster; the certificate shown stays the conservative default)")
+    p.add_argument("--out", type=Path, help="keep the replay's results in this folder (default: a temporary one)")
+    p.add_argument("--from-results", type=Path, dest="from_results", metavar="DIR",
+                   help="refit on the replay an earlier calibration kept in DIR (its --out), without replaying")
+    p.add_argument("--ship", action="store_true",
+                   help="write the package's record (agent/gate/calibrations/NAME.json) for a registry model")
+    p.add_argument("--no-progress", action="store_true", dest="no_progress")
+    p.set_defaults(func=cli_errors.guard(_cmd_calibrate), command="calibrate")

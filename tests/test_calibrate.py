@@ -1,0 +1,124 @@
+"""`certchat calibrate` on a real model (smollm2-135m, which ships uncalibrated) and a tiny recall script: the record
+it writes is the one the gate then reads, and a model without a record, or with a rejected one, keeps the full cache.
+Real llama.cpp, real SQLite, the real command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent import models
+from agent.chat.session import ChatSession
+from agent.config import Config
+from agent.gate import calibration
+from agent.lab.replay.script import load as load_script
+from memory_store.store import Store
+from tests.reliability_support import cli, one_line_error
+
+RECALL = Path(__file__).resolve().parents[1] / "agent" / "lab" / "replay" / "fixtures" / "recall30" / "seed-02.jsonl"
+SMOLLM = models.REGISTRY["smollm2-135m"].sha256
+
+
+def _tiny_script(tmp_path: Path) -> Path:
+    """Five facts, three ordinary turns, three questions about the facts: a recall30 calibration script, cut short."""
+    lines = RECALL.read_text(encoding="utf-8").splitlines()
+    probes = [i for i, line in enumerate(lines) if '"probe"' in line][:3]
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("\n".join(lines[:17] + [x for i in probes for x in lines[i:i + 2]]) + "\n", encoding="utf-8")
+    assert len(load_script(path).probes) == 3
+    return path
+
+
+def _session(small_model: Path, tmp_path: Path) -> ChatSession:
+    config = Config(model="smollm2-135m", n_ctx=1024, n_batch=256, evict_from=0, policy="poisson", budget="48",
+                    max_tokens=8, threads=2)
+    return ChatSession.start(config, Store(tmp_path / "chat.db"), small_model, "smollm2-135m")
+
+
+def test_calibrate_writes_the_record_the_gate_then_reads(small_model: Path, tmp_path: Path) -> None:
+    before = _session(small_model, tmp_path)
+    try:
+        assert before.memory.full_reason == calibration.UNCALIBRATED, "smollm2 ships without a calibration"
+        assert "certchat calibrate" in (before.full_cache_notice or "")
+        assert before.engine.sketch_spec[0] == ()
+    finally:
+        before.close()
+
+    done = cli("calibrate", "smollm2-135m", "--scripts", str(_tiny_script(tmp_path)), "--budget", "48",
+               "--threads", "2", "--max-tokens", "8", "--min-probe-rate", "0", "--out", str(tmp_path / "work"),
+               "--no-progress", timeout=600)
+    assert done.returncode == 0, done.stderr
+    path = calibration.record_path(SMOLLM)
+    assert str(path) in done.stdout and "smollm2-135m: calibrated" in done.stdout
+    record = json.loads(path.read_text(encoding="utf-8"))
+    # it says what produced it
+    assert record["format"] == "certchat-calibration" and record["model_sha256"] == SMOLLM
+    assert "certchat" in record["command"] and "calibrate" in record["command"] and record["machine"]
+    [gate] = record["calibrations"]
+    assert gate["statistic"] == "sketch.max" and gate["tau"] > 0 and gate["accepted"]
+    assert gate["in_sample"]["n_probes"] == 3 and gate["in_sample"]["n_fillers"] > 0
+    assert "turn_index" in gate["separation"], "the separation is reported beside the turn-index baseline"
+    layers = tuple(gate["sketch"]["layers"])
+    assert 1 <= len(layers) <= 2 and set(layers) <= set(gate["sketch"]["recorded"])
+    [cert] = record["multipliers"]
+    assert cert["multiplier"] > 0 and len(cert["drift"]) == gate["sketch"]["n_layer"]
+
+    calibration.forget()
+    found = calibration.for_model(SMOLLM)
+    assert found is not None and found.path == path and found.user_made
+    after = _session(small_model, tmp_path)
+    try:
+        assert after.memory.full_reason is None, "a calibrated model evicts"
+        assert after.gate.settings.calibrated is not None and after.gate.settings.calibrated.tau == gate["tau"]
+        assert after.gate.threshold() == gate["tau"], "a new chat's bar is the calibrated floor"
+        assert after.engine.sketch_spec[0] == layers, "the sketch reads the calibrated layers"
+        assert after.gate.certificate_form(2).multiplier == pytest.approx(cert["multiplier"])
+    finally:
+        after.close()
+
+
+def test_a_rejected_calibration_keeps_the_full_cache(small_model: Path, tmp_path: Path) -> None:
+    shipped = json.loads(calibration.PATH.read_text(encoding="utf-8"))["calibrations"]
+    records = [{**r, "model": "smollm2-135m", "model_sha256": SMOLLM, "accepted": False,
+                "rejected_because": "the gate caught 10% of the calibration probes"} for r in shipped]
+    calibration.write_model({"calibrations": records}, calibration.record_path(SMOLLM))
+    assert calibration.for_model(SMOLLM) is not None and not calibration.covers(SMOLLM)
+    s = _session(small_model, tmp_path)
+    try:
+        assert s.memory.full_reason == calibration.REJECTED.format(why="the gate caught 10% of the calibration probes")
+        assert "certchat calibrate" in (s.full_cache_notice or "")
+    finally:
+        s.close()
+
+
+def test_calibrate_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
+    done = cli("calibrate", "no-such-model")
+    assert done.returncode == 1
+    one_line_error(done.stderr, "unknown model")
+    done = cli("calibrate", "smollm2-135m", "--min-probe-rate", "2")
+    assert done.returncode == 1
+    one_line_error(done.stderr, "--min-probe-rate")
+    assert not calibration.record_path(SMOLLM).exists()
+
+
+def test_the_layer_choice_skips_layers_whose_reading_is_not_finite() -> None:
+    """A layer whose sketch reading overflows reads NaN on some turn; the gate would fail closed on it at every turn,
+    so the calibration never chooses it, however well its finite turns separate."""
+    import numpy as np
+
+    from agent.lab.fits.sketch_layers import Scorer, Turn, ranked, readable
+
+    def turn(i: int, kind: str, row: list[float]) -> Turn:
+        return Turn("s", i, kind, kind == "filler" and i >= 4, np.array(row), None)
+
+    # layer 0 separates perfectly but reads NaN once; layer 1 separates; layer 2 does not
+    turns = [turn(1, "filler", [1.0, 1.0, 5.0]), turn(2, "filler", [1.2, 1.1, 1.0]),
+             turn(4, "filler", [float("nan"), 1.3, 4.0]), turn(5, "filler", [1.1, 1.2, 1.0]),
+             turn(6, "probe", [9.0, 6.0, 2.0]), turn(7, "probe", [8.0, 7.0, 3.0])]
+    scorer = Scorer(turns, 3)
+    assert readable(scorer) == [1, 2]
+    best = ranked(scorer, readable(scorer), 2)
+    assert best[0] == (1,), "the separating finite layer alone beats adding a useless one"
+    assert all(0 not in idx for idx in best)
