@@ -122,3 +122,28 @@ def test_the_layer_choice_skips_layers_whose_reading_is_not_finite() -> None:
     best = ranked(scorer, readable(scorer), 2)
     assert best[0] == (1,), "the separating finite layer alone beats adding a useless one"
     assert all(0 not in idx for idx in best)
+
+
+def test_the_transfer_table_pairs_each_probe_with_the_full_caches_answer(tmp_path: Path) -> None:
+    """Held-out recall is paired per probe (the same script line under full and under the gate), and the difference
+    comes with its paired interval; the gate's firings are counted on probes and on fillers apart."""
+    from agent.lab import transfer
+    from agent.lab.replay import aggregate
+
+    def step(turn: int, kind: str, correct: bool | None = None, fired: bool = False) -> dict:
+        return {"turn": turn, "lineno": 2 * turn, "kind": kind, "correct": correct, "gate_fired": fired}
+
+    full = [step(1, "filler"), step(2, "probe", True), step(3, "probe", True), step(4, "probe", False)]
+    gated = [step(1, "filler", fired=True), step(2, "probe", True, True), step(3, "probe", False),
+             step(4, "probe", True, True)]
+    runs = [{"script": "s", "policy": "full", "budget": "100%", "seed": 0, "steps": full},
+            {"script": "s", "policy": "poisson+gate", "budget": "10%", "seed": 0, "steps": gated}]
+    (tmp_path / "results.json").write_text(json.dumps({"format": aggregate.FORMAT, "meta": {"command": "x"},
+                                                       "runs": runs}), encoding="utf-8")
+    row = transfer.heldout(tmp_path)["10%"]
+    assert row["paired"] == {"both": 1, "full_only": 1, "default_only": 1, "neither": 0}
+    assert row["recall_full"] == row["recall_default"] == pytest.approx(2 / 3)
+    assert row["probes_gated"] == pytest.approx(2 / 3) and row["fillers_gated"] == 1.0
+    d, lo, hi = row["difference_ci95"]
+    assert d == 0.0 and lo < 0 < hi
+    assert transfer.paired_difference(0, 0, 10) == (0.0, 0.0, 0.0)
