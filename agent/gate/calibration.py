@@ -267,6 +267,13 @@ def of_file(model_path: Path) -> ModelCalibration | None:
         return None
 
 
+def fallback_statistic(evict_at: str = DEFAULT_EVICT_AT) -> str:
+    """The statistic ``gate_stat = "auto"`` reads on a model without a calibration that evicts anyway (a threshold,
+    or the gate off): the shipped default model's."""
+    shipped = load(PATH, evict_at)
+    return shipped.statistic if shipped is not None else FALLBACK_STATISTIC
+
+
 def fallback_sketch_layers(layer_windows: Sequence[int], evict_at: str = DEFAULT_EVICT_AT) -> tuple[int, ...]:
     """Sketch layers for a model without a calibration that evicts anyway (a threshold, or the gate off): the
     shipped default model's, at the same relative depths."""

@@ -302,7 +302,7 @@ class GateSettings:
     def from_config(cls, config: Config, model: calibration.ModelCalibration | None) -> GateSettings:
         stat = config.gate_stat
         cal = model.gate(config.evict_at) if model is not None else None
-        auto = cal.statistic if cal is not None else calibration.FALLBACK_STATISTIC
+        auto = cal.statistic if cal is not None else calibration.fallback_statistic(config.evict_at)
         return cls(threshold=config.gate_threshold, calibrated=cal,
                    certificate_records=model.certificate if model is not None and model.certificate else None,
                    statistic=auto if stat == "auto" else stat,
