@@ -113,9 +113,8 @@ def gate_report() -> dict[str, Any]:
     except OSError:
         sha = None
     found = calibration.for_model(sha) if sha else None
-    calibrated = (found is not None and found.gate(cfg.evict_at) is not None) if sha else None
-    why = found.rejection(cfg.evict_at) if found is not None else None
-    reason = calibration.REJECTED.format(why=why) if why else calibration.UNCALIBRATED
+    reason = calibration.full_cache_reason(found, cfg.evict_at)
+    calibrated = reason is None if sha else None
     held = cfg.gate_threshold.auto and policies.from_config(cfg).evicts and calibrated is False
     return {"model": cfg.model, "gate": cfg.gate, "policy": cfg.policy, "evict_at": cfg.evict_at,
             "calibrated": calibrated, "calibration": str(found.path) if calibrated and found is not None else None,

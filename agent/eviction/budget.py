@@ -137,11 +137,7 @@ class CacheManager:
         threshold or "off" was chosen, or nothing is evicted)."""
         if not self.policy.evicts or not self.settings.gate.auto:
             return None
-        model = self.model_calibration
-        if model is not None and model.gate(self.settings.evict_at) is not None:
-            return None
-        why = model.rejection(self.settings.evict_at) if model is not None else None
-        return calibration.REJECTED.format(why=why) if why else calibration.UNCALIBRATED
+        return calibration.full_cache_reason(self.model_calibration, self.settings.evict_at)
 
     @property
     def readout_rows(self) -> int:

@@ -19,7 +19,7 @@ A record holds for the model it was fitted on (``"model_sha256"``, the GGUF's ha
 (docs/results/NOTES.md has a larger model's anomalies against the default model's τ), so the gate never fires and
 eviction forgets silently. Every model therefore has its own calibration (:class:`ModelCalibration`, found by
 :func:`for_model` from the GGUF's hash): one written by ``certchat calibrate`` into the cache dir
-(``calibrations/<sha256>.json``, :func:`user_dir`), else one shipped beside this module (``gate_calibration.json``
+(``calibrations/<sha256>.json``, :func:`record_path`), else one shipped beside this module (``gate_calibration.json``
 and ``calibrations/*.json``). A model with none is uncalibrated, and the cache manager keeps its cache full under
 ``gate = "auto"`` (:data:`UNCALIBRATED`) until it is calibrated.
 """
@@ -164,11 +164,14 @@ class ModelCalibration:
     @property
     def user_made(self) -> bool:
         """Written by ``certchat calibrate`` on this machine (not shipped)."""
-        return self.path.parent == user_dir()
+        return self.path.parent == paths.calibrations_dir()
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    data = json.loads(path.read_text(encoding="utf-8"))
+    return _records_of(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _records_of(data: Any) -> list[dict[str, Any]]:
     records = data["calibrations"] if isinstance(data, dict) and "calibrations" in data else [data]
     return [{**r, "evict_at": r.get("evict_at", "question")} for r in records]
 
@@ -209,7 +212,7 @@ def read(path: Path) -> list[ModelCalibration]:
     logged). A per-model file (``certchat calibrate``) also holds that model's certificate (``multipliers``)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        gates = [_gate(r) for r in _records(path)]
+        gates = [_gate(r) for r in _records_of(data)]
         rows = (data.get("multipliers") or []) if isinstance(data, dict) else []
         cert = certificate.parse_records(rows)
     except FileNotFoundError:
@@ -222,14 +225,9 @@ def read(path: Path) -> list[ModelCalibration]:
                              next((g.model for g in gates if g.model_sha256 == sha), None)) for sha in shas]
 
 
-def user_dir() -> Path:
-    """Where ``certchat calibrate`` writes a model's calibration (one file per GGUF hash)."""
-    return paths.calibrations_dir()
-
-
 def record_path(model_sha256: str) -> Path:
-    """The file ``certchat calibrate`` writes for the GGUF of this hash."""
-    return user_dir() / f"{model_sha256}.json"
+    """The file ``certchat calibrate`` writes for the GGUF of this hash (in ``paths.calibrations_dir``)."""
+    return paths.calibrations_dir() / f"{model_sha256}.json"
 
 
 def shipped_files() -> list[Path]:
@@ -287,10 +285,18 @@ def forget() -> None:
     load.cache_clear()
 
 
+def full_cache_reason(model: ModelCalibration | None, evict_at: str = DEFAULT_EVICT_AT) -> str | None:
+    """Why gate "auto" keeps this model's cache full at ``evict_at``: :data:`UNCALIBRATED` (no gate calibration for
+    it) or :data:`REJECTED` with the fit's own reason; None when its gate is calibrated."""
+    if model is not None and model.gate(evict_at) is not None:
+        return None
+    why = model.rejection(evict_at) if model is not None else None
+    return REJECTED.format(why=why) if why else UNCALIBRATED
+
+
 def covers(model_sha256: str | None, evict_at: str = DEFAULT_EVICT_AT) -> bool:
     """Whether the model of this hash has a gate calibration for ``evict_at``."""
-    found = for_model(model_sha256)
-    return found is not None and found.gate(evict_at) is not None
+    return full_cache_reason(for_model(model_sha256), evict_at) is None
 
 
 def is_certificate_statistic(statistic: str) -> bool:
@@ -313,8 +319,8 @@ def write(record: dict[str, Any], path: Path = PATH) -> Path:
 
 
 def write_model(document: dict[str, Any], path: Path) -> Path:
-    """Write a model's calibration file (``{"calibrations": [gate records], "certificate": [rows], …}``, what
-    ``certchat calibrate`` makes) atomically: a reader never sees half a file."""
+    """Write a model's calibration file (``{"calibrations": [gate records], "multipliers": [certificate rows], …}``,
+    what ``certchat calibrate`` makes) atomically: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 import tempfile
 import time
@@ -77,31 +76,35 @@ def rescore(steps: list[dict[str, Any]], layers: Sequence[int]) -> None:
 
 
 def _value(step: dict[str, Any]) -> float | None:
-    v = (step.get("certificate_detail") or {}).get(STATISTIC)
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+    from agent.lab.replay import studies  # noqa: PLC0415 — not at start-up: every `certchat` command registers this one
+
+    return studies.statistics_of(step).get(STATISTIC)
+
+
+def _later_half(steps: list[dict[str, Any]]) -> list[bool]:
+    """Whether each step is a filler in the later half of its run (where the turn's position alone no longer tells
+    it from a probe)."""
+    last: dict[Any, int] = {}
+    for s in steps:
+        last[s["_run"]] = max(last.get(s["_run"], 0), int(s["turn"]))
+    return [s["kind"] == "filler" and int(s["turn"]) * 2 >= last[s["_run"]] for s in steps]
 
 
 def floor_tau(steps: list[dict[str, Any]], target: float) -> float | None:
     """The smallest τ whose gate fires on at most ``target`` of the fillers (fired: value ≥ τ)."""
-    values = sorted(v for s in steps if s["kind"] == "filler" and (v := _value(s)) is not None)
-    if not values:
-        return None
-    allowed = int(math.floor(target * len(values)))
-    return float(np.nextafter(values[len(values) - allowed - 1], math.inf))
+    from agent.lab.replay import studies  # noqa: PLC0415 — not at start-up: every `certchat` command registers this one
+
+    return studies.filler_tau([v for s in steps if s["kind"] == "filler" and (v := _value(s)) is not None], target)
 
 
 def gate_rates(steps: list[dict[str, Any]], tau: float | None, rule: Adaptive) -> dict[str, Any]:
     """Probes and fillers the adaptive gate fires on, as the chat runs it (each run's bar follows its turns)."""
-    from agent.lab.replay import studies  # noqa: PLC0415 — the replay package loads llama.cpp bindings lazily
+    from agent.lab.replay import studies  # noqa: PLC0415 — not at start-up: every `certchat` command registers this one
 
-    bars = studies.adaptive_thresholds(steps, STATISTIC, tau, rule)
-    fired = [bar is not None and (v := _value(s)) is not None and v >= bar for s, bar in zip(steps, bars)]
-    last: dict[Any, int] = {}
-    for s in steps:
-        last[s["_run"]] = max(last.get(s["_run"], 0), int(s["turn"]))
+    fired = studies.fired_steps(steps, STATISTIC, tau, rule)
     probes = [f for s, f in zip(steps, fired) if s["kind"] == "probe"]
     fillers = [f for s, f in zip(steps, fired) if s["kind"] == "filler"]
-    late = [f for s, f in zip(steps, fired) if s["kind"] == "filler" and int(s["turn"]) * 2 >= last[s["_run"]]]
+    late = [f for f, later in zip(fired, _later_half(steps)) if later]
 
     def rate(xs: list[bool]) -> float | None:
         return float(np.mean(xs)) if xs else None
@@ -114,14 +117,12 @@ def gate_rates(steps: list[dict[str, Any]], tau: float | None, rule: Adaptive) -
 
 def separation(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Probe-vs-filler AUCs of the statistic beside the turn-index baseline, against all and later-half fillers."""
-    last: dict[Any, int] = {}
-    for s in steps:
-        last[s["_run"]] = max(last.get(s["_run"], 0), int(s["turn"]))
+    later = _later_half(steps)
     out: dict[str, Any] = {}
     for name, get in ((STATISTIC, lambda s: _value(s) or 0.0), ("turn_index", lambda s: float(s["turn"]))):
         probes = [get(s) for s in steps if s["kind"] == "probe"]
         fillers = [get(s) for s in steps if s["kind"] == "filler"]
-        late = [get(s) for s in steps if s["kind"] == "filler" and int(s["turn"]) * 2 >= last[s["_run"]]]
+        late = [get(s) for s, lt in zip(steps, later) if lt]
         out[name] = {"auc_all_fillers": auc(probes, fillers), "auc_later_fillers": auc(probes, late)}
     return out
 
@@ -253,7 +254,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         _say(f"{display} ({sha[:12]}…): replaying {len(scripts)} script(s) at {', '.join(budgets)} ({n_jobs} runs, "
              f"the sketch reading {len(full)} layers{captured}); work folder {out}")
         if args.certificate:
-            with ProductCoverage(path, args.threads or cfg.threads) as observed:
+            with ProductCoverage(path, cfg.threads) as observed:
                 doc = batch.run(scripts, settings, cfg, observe=observed.attach)
                 multipliers, coverage = fit_certificate(observed, display, n_layer)
         else:

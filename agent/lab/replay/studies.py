@@ -260,13 +260,28 @@ def adaptive_thresholds(steps: list[dict[str, Any]], statistic: str, tau: float 
     return out
 
 
+def fired_steps(sample: list[dict[str, Any]], statistic: str, tau: float | None, adaptive: Any = None) -> list[bool]:
+    """Whether a gate on ``statistic`` at τ (adaptive or not) fires on each step, as the agent's gate would."""
+    bars = adaptive_thresholds(sample, statistic, tau, adaptive)
+    return [bar is not None and (v := statistics_of(s).get(statistic)) is not None and v >= bar
+            for s, bar in zip(sample, bars)]
+
+
+def filler_tau(values: list[float], target: float) -> float | None:
+    """The smallest τ whose gate (value ≥ τ) fires on at most ``target`` of the filler ``values``: just above their
+    (1 − target) quantile. None without values."""
+    vals = sorted(values)
+    if not vals:
+        return None
+    allowed = int(math.floor(target * len(vals)))
+    return float(np.nextafter(vals[len(vals) - allowed - 1], math.inf))
+
+
 def gate_figures(sample: list[dict[str, Any]], statistic: str, tau: float | None,
                  adaptive: Any = None) -> dict[str, Any]:
     """Recall and gate rates of a gate on ``statistic`` at τ (adaptive or not) over paired steps: a gated probe
     answers as the full cache did."""
-    bars = adaptive_thresholds(sample, statistic, tau, adaptive)
-    fired = [bar is not None and (v := statistics_of(s).get(statistic)) is not None and v >= bar
-             for s, bar in zip(sample, bars)]
+    fired = fired_steps(sample, statistic, tau, adaptive)
     probes = [(s, f) for s, f in zip(sample, fired) if s["kind"] == "probe" and s.get("correct") is not None]
     fillers = [f for s, f in zip(sample, fired) if s["kind"] == "filler"]
     return {"recall": float(np.mean([bool(p["full"]["correct"]) if f else bool(p["correct"])
@@ -302,15 +317,8 @@ def calibrate(doc: dict[str, Any], statistic: str, policy: str = "poisson", budg
             if not need:
                 return None
             return float(need[int(math.floor((1 - probe_target) * (len(need) - 1) + 1e-9))])
-        ranked = sorted((statistics_of(s).get(statistic) for s in sample if s["kind"] == "filler"),
-                        key=lambda v: -math.inf if v is None else v)
-        vals = [v for v in ranked if v is not None]
-        if not vals:
-            return None
-        # the gate fires when value ≥ τ: put τ just above the (1 − target) quantile of the fillers
-        allowed = int(math.floor(filler_target * len(vals)))
-        cut = vals[len(vals) - allowed - 1]
-        return float(np.nextafter(cut, math.inf))
+        return filler_tau([v for s in sample if s["kind"] == "filler"
+                           and (v := statistics_of(s).get(statistic)) is not None], filler_target)
 
     def apply(sample: list[dict[str, Any]], tau: float | None) -> dict[str, Any]:
         return gate_figures(sample, statistic, tau, adaptive)
