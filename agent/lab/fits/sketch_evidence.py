@@ -12,7 +12,9 @@ system prompt, whose sink cells stay live, and the first message draw a LoCoMo q
 - how often a message of the probe's evidence (``fact_turn``: its user line and the answer after it) is among
   the ``--top`` most anomalous messages.
 
-    python -m agent.lab.fits.sketch_evidence DIR --full docs/results/data/locomo-census --budget 10% --skip-messages 0,1
+    python -m agent.lab.fits.sketch_evidence DIR --full FULL_DIR --budget 10% --skip-messages 0,1
+
+(The LoCoMo census recordings it was run on are in git, not in the tree: docs/results/data/README.md.)
 """
 
 from __future__ import annotations

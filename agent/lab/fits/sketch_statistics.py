@@ -17,7 +17,10 @@ the other turns and against the other turns of the later half of their script, t
 failures (full right, evicted wrong) against the other probes, and the statistic's Spearman correlation with the turn
 index over the non-probe turns (a statistic that grows along the chat separates end-of-chat probes by position).
 
-    python -m agent.lab.fits.sketch_statistics docs/results/data/longchat-16k-adaptive docs/results/data/locomo-full-30
+    python -m agent.lab.fits.sketch_statistics docs/results/data/longchat-8k-adaptive
+
+It reads each turn's ``certificate_detail``: of the committed recordings only longchat-8k-adaptive keeps it; the others
+are in git as they were recorded (docs/results/data/README.md).
 """
 
 from __future__ import annotations
