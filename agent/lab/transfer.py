@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -179,13 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="+", metavar="NAME=CALIBRATION[,HELDOUT][,COVERAGE]")
     ap.add_argument("--out", type=Path, required=True, help="the table's JSON (scripts/make_results.py --transfer)")
     args = ap.parse_args(argv)
-    import shlex  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
     doc = {"models": [model_entry(spec) for spec in args.models],
            "command": "python -m agent.lab.transfer " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1, default=sorted) + "\n", encoding="utf-8")
+    args.out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(render(doc))
     return 0
 
