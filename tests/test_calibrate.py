@@ -103,6 +103,31 @@ def test_calibrate_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
     assert not calibration.record_path(SMOLLM).exists()
 
 
+def test_the_rule_lowers_the_bar_for_a_model_whose_questions_read_weakly() -> None:
+    """A model whose questions read only 1.7× its ordinary turns misses them under the bar at twice the chat's
+    median; the fit then lowers the factor, judged on scripts left out of the floor's fit, and stays within the cap
+    on filler firings. A model whose questions read far above its ordinary turns keeps the highest bar."""
+    from agent.lab import calibrate
+
+    def steps(probe_value: float) -> list[dict]:
+        out = []
+        for script in ("a", "b", "c", "d"):
+            for turn in range(1, 31):
+                kind = "probe" if turn > 25 else "filler"
+                value = probe_value if kind == "probe" else 1.0 + 0.01 * ((turn * 7 + ord(script)) % 10)
+                out.append({"script": script, "seed": 0, "budget": "10%", "_run": (script, "10%", 0), "turn": turn,
+                            "lineno": turn, "kind": kind, "certificate_detail": {"sketch.max": value}})
+        return out
+
+    weak, candidates = calibrate.fit_rule(steps(1.7))
+    assert weak["factor"] < 2.0 and weak["held_out_probe_rate"] == 1.0
+    assert weak["in_sample"]["filler_gate_rate"] <= calibrate.FILLER_CAP
+    at_two = next(c for c in candidates if c["factor"] == 2.0 and c["filler_target"] == 0.025)
+    assert at_two["held_out_probe_rate"] == 0.0, "at 2 × the median (about 2.1) no question reading 1.7 fires"
+    strong, _ = calibrate.fit_rule(steps(9.0))
+    assert (strong["factor"], strong["filler_target"]) == (2.0, 0.025)
+
+
 def test_the_layer_choice_skips_layers_whose_reading_is_not_finite() -> None:
     """A layer whose sketch reading overflows reads NaN on some turn; the gate would fail closed on it at every turn,
     so the calibration never chooses it, however well its finite turns separate."""
@@ -147,3 +172,15 @@ def test_the_transfer_table_pairs_each_probe_with_the_full_caches_answer(tmp_pat
     d, lo, hi = row["difference_ci95"]
     assert d == 0.0 and lo < 0 < hi
     assert transfer.paired_difference(0, 0, 10) == (0.0, 0.0, 0.0)
+    # each held-out set is its own rows, named by its scripts
+    assert transfer.seeds_label(["seed-00", "seed-01", "seed-06", "seed-07", "seed-08", "seed-09"]) == \
+        "seeds 00, 01, 06–09"
+    calibration = {"accepted": True, "layers": [3, 11], "tau": 4.8, "in_sample": {
+        "probe_gate_rate": 1.0, "filler_gate_rate": 0.02, "late_filler_gate_rate": 0.05, "n_probes": 60,
+        "n_fillers": 240}, "scripts": ["seed-02", "seed-03"], "rule": {"filler_target": 0.025, "factor": 2.0},
+        "command": "certchat calibrate m"}
+    first, second = transfer.heldout(tmp_path), {"10%": {**row, "scripts": ["seed-18", "seed-19"]}}
+    page = transfer.render({"models": [{"model": "m", "calibration": calibration, "heldout": [first, second],
+                                        "coverage": None}], "command": "python -m agent.lab.transfer"})
+    assert "| m | seeds 02, 03 | calibrated | 3,11 | 4.80 (2%) | 2.0 |" in page
+    assert "| m | s | 10% |" in page and "| m | seeds 18, 19 | 10% |" in page

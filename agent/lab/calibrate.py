@@ -4,22 +4,25 @@ A model's gate floor τ, its sketch layers and its certificate's multiplier hold
 (agent/gate/calibration.py); a model without them keeps the full cache under ``gate = "auto"``. This command fits
 all three, in one replay and three offline fits:
 
-1. **Replay.** The calibration scripts (recall30 seeds 02–05 unless ``--scripts``) under ungated Poisson eviction
-   at each budget, from the first turn, every scripted turn answered (fillers too, so the gate's false alarms are
-   measured), the evicted-key sketch reading every full-attention layer, and the coverage observer capturing the
-   certificate's cells at every probe (agent/lab/replay/capture.py).
+1. **Replay.** The calibration scripts (recall30 seeds 02–05 and 10–17 unless ``--scripts``) under ungated
+   Poisson eviction at each budget, from the first turn, every scripted turn answered (fillers too, so the gate's
+   false alarms are measured), the evicted-key sketch reading every full-attention layer, and the coverage
+   observer capturing the certificate's cells at every probe (agent/lab/replay/capture.py).
 2. **Sketch layers.** Of the recorded layers, the subset of at most ``--sketch-max-layers`` that best separates the
    probes from the fillers (agent/lab/fits/sketch_layers.py's ranking: AUC against later-half fillers first).
    ``sketch.max`` for a subset is recomputed exactly from the per-layer shares each turn recorded.
-3. **Gate.** ``sketch.max`` in those layers; the floor τ by the adaptive rule (τ at 2.5% of the calibration
-   fillers, the bar max(τ, 2 × the median of the chat's last 20 turns): the rule of agent/lab/replay/studies.py,
-   the same for every model), with leave-one-script-out figures and the turn-index baseline beside them.
+3. **Gate.** ``sketch.max`` in those layers under the adaptive rule of agent/lab/replay/studies.py: the bar
+   max(τ, factor × the median of the chat's last 20 turns), τ the floor at a share of the calibration fillers. The
+   share and the factor are chosen per model from a small grid by the probes caught on scripts left out of the
+   floor's fit (leave one script out), within a cap on filler firings; a model whose questions read weakly against
+   its ordinary turns gets a lower bar. The turn-index baseline is reported beside the separation.
 4. **Certificate.** Per budget, the drift λ per layer and the multiplier k (agent.gate.certificate.fit, the
    conversation as the exchangeable unit) on the captured cells, with its in-sample coverage.
 
 The record goes to the user's calibration dir, keyed by the GGUF's hash (``--ship`` writes the package's copy, for
 a registry model). A fit whose gate does not catch at least ``--min-probe-rate`` of the calibration probes is
-written as rejected: the model then keeps the full cache, and the record says why.
+written as rejected: the model then keeps the full cache, and the record says why. Each script's probes
+are scored at the floor fitted without that script, so a rule that only fits its own scripts is not accepted.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ from agent.cli import errors as cli_errors
 from agent.gate import calibration, certificate
 from agent.gate.calibration import Adaptive
 from agent.gate.decision import recorded_ratios
-from agent.lab.replay.rank_stats import auc
+from agent.lab.replay.rank_stats import auc, in_later_half
 
 FIXTURES = Path(__file__).parent / "replay" / "fixtures" / "recall30"
-CALIBRATION_SCRIPTS = tuple(FIXTURES / f"seed-{n:02d}.jsonl" for n in (2, 3, 4, 5))
-"""recall30 seeds 02–05: the calibration split (00, 01 and 06–09 are held out for the transfer check)."""
+CALIBRATION_SEEDS = (2, 3, 4, 5, *range(10, 18))
+"""recall30 seeds 02–05 and 10–17: the calibration split (00, 01, 06–09 and 18–23 are held out)."""
+CALIBRATION_SCRIPTS = tuple(FIXTURES / f"seed-{n:02d}.jsonl" for n in CALIBRATION_SEEDS)
 STATISTIC = "sketch.max"
 FORMAT = "certchat-calibration"
 
@@ -87,7 +91,7 @@ def _later_half(steps: list[dict[str, Any]]) -> list[bool]:
     last: dict[Any, int] = {}
     for s in steps:
         last[s["_run"]] = max(last.get(s["_run"], 0), int(s["turn"]))
-    return [s["kind"] == "filler" and int(s["turn"]) * 2 >= last[s["_run"]] for s in steps]
+    return [s["kind"] == "filler" and in_later_half(s["turn"], last[s["_run"]]) for s in steps]
 
 
 def floor_tau(steps: list[dict[str, Any]], target: float) -> float | None:
@@ -139,6 +143,44 @@ def fit_gate(steps: list[dict[str, Any]], target: float, rule: Adaptive) -> dict
             held_out.append({"script": name, "tau": t, **gate_rates(mine, t, rule)})
     return {"tau": tau, "in_sample": gate_rates(steps, tau, rule), "leave_one_script_out": held_out,
             "separation": separation(steps)}
+
+
+def _pooled(rows: list[dict[str, Any]], rate: str, count: str) -> float | None:
+    """A rate over several groups' rows, weighted by each row's count."""
+    n = sum(int(r[count]) for r in rows if r[rate] is not None)
+    return sum(float(r[rate]) * int(r[count]) for r in rows if r[rate] is not None) / n if n else None
+
+
+def fit_rule(steps: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The floor's filler share and the bar's factor, of the grid, that catch the most probes of a script left out of
+    the floor's fit, among those whose gate fires on at most FILLER_CAP of the fillers (LATE_FILLER_CAP of the
+    later-half ones); ties go to fewer filler firings, then the higher bar. The fitted gate, and every candidate's
+    figures."""
+    candidates = []
+    for target in FILLER_TARGETS:
+        for factor in FACTORS:
+            gate = fit_gate(steps, target, Adaptive(factor, WINDOW))
+            lo = gate["leave_one_script_out"]
+            held = _pooled(lo, "probe_gate_rate", "n_probes") if lo else gate["in_sample"]["probe_gate_rate"]
+            candidates.append({**gate, "filler_target": target, "factor": factor, "held_out_probe_rate": held})
+
+    def within_caps(c: dict[str, Any]) -> bool:
+        ins = c["in_sample"]
+        return c["tau"] is not None and (ins["filler_gate_rate"] or 0.0) <= FILLER_CAP + 1e-9 and \
+            (ins["late_filler_gate_rate"] or 0.0) <= LATE_FILLER_CAP + 1e-9
+
+    def preference(c: dict[str, Any]) -> tuple[float, float, float, float]:
+        return (c["held_out_probe_rate"] or 0.0, -(c["in_sample"]["filler_gate_rate"] or 0.0), c["factor"],
+                -c["filler_target"])
+
+    chosen = max([c for c in candidates if within_caps(c)] or candidates[:1], key=preference)
+    table = [{"filler_target": c["filler_target"], "factor": c["factor"], "tau": c["tau"],
+              "held_out_probe_rate": c["held_out_probe_rate"],
+              "probe_gate_rate": c["in_sample"]["probe_gate_rate"],
+              "filler_gate_rate": c["in_sample"]["filler_gate_rate"],
+              "late_filler_gate_rate": c["in_sample"]["late_filler_gate_rate"], "within_caps": within_caps(c)}
+             for c in candidates]
+    return chosen, table
 
 
 def choose_layers(results: Path, budgets: Sequence[str],
@@ -247,6 +289,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
             raise CalibrationError(f"calibrate: {out} holds a replay of {doc['meta'].get('model')}, not {display}")
         multipliers, coverage = json.loads(fitted.read_text(encoding="utf-8")) if fitted.exists() else ([], [])
         settings.command = f"{doc['meta'].get('command')} && {settings.command}"
+        sources = [Path(x["source"]) for x in doc["meta"].get("scripts") or []] or sources  # what was replayed
         started -= sum(float(run.get("wall_s") or 0.0) for run in doc["runs"])  # the replay's own time counts
     else:
         n_jobs = len(scripts) * len(budgets)
@@ -267,18 +310,19 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     layers, top, unreadable = choose_layers(batch.results_path(settings), budgets, args.sketch_max_layers)
     steps = _steps(doc)
     rescore(steps, layers)
-    rule = Adaptive(*ADAPTIVE_RULE)
     _say(f"fitting the gate on sketch layers {','.join(map(str, layers))}")
-    gate = fit_gate(steps, FILLER_TARGET, rule)
-    probe_rate = gate["in_sample"]["probe_gate_rate"]
+    gate, candidates = fit_rule(steps)
+    probe_rate = gate["held_out_probe_rate"]
     accepted = gate["tau"] is not None and probe_rate is not None and probe_rate >= args.min_probe_rate
+    left_out = "of scripts left out of the fit " if gate["leave_one_script_out"] else ""
     record = {
-        "statistic": STATISTIC, "tau": gate["tau"], "rule": "adaptive", "filler_target": FILLER_TARGET,
-        "adaptive": {"factor": rule.factor, "window": rule.window}, "evict_at": cfg.evict_at,
+        "statistic": STATISTIC, "tau": gate["tau"], "rule": "adaptive", "filler_target": gate["filler_target"],
+        "adaptive": {"factor": gate["factor"], "window": WINDOW}, "evict_at": cfg.evict_at,
         "budgets": budgets, "protocol": "multi-round", "accepted": bool(accepted),
         **({} if accepted else {"rejected_because": f"the gate caught {probe_rate or 0:.0%} of the calibration "
-                                                    f"probes, under the {args.min_probe_rate:.0%} required"}),
-        "in_sample": gate["in_sample"], "leave_one_script_out": gate["leave_one_script_out"],
+                                                    f"probes {left_out}under the {args.min_probe_rate:.0%} required"}),
+        "in_sample": gate["in_sample"], "held_out_probe_rate": probe_rate,
+        "leave_one_script_out": gate["leave_one_script_out"], "rule_candidates": candidates,
         "separation": gate["separation"],
         "sketch": {"layers": layers, "bits": cfg.sketch_bits, "n_layer": n_layer, "recorded": full,
                    "max_layers": args.sketch_max_layers, "best_subsets": top, "unreadable": unreadable},
@@ -292,10 +336,15 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
             "calibrations": [record], "multipliers": multipliers, "coverage_in_sample": coverage}
 
 
-FILLER_TARGET = 0.025
-"""The floor τ: the gate fires on at most this share of the calibration fillers (a quiet chat's bar)."""
-ADAPTIVE_RULE = (2.0, 20)
-"""The adaptive bar: max(τ, 2 × the median of the chat's last 20 turn statistics), the same rule for every model."""
+FILLER_TARGETS = (0.025, 0.05)
+"""The floor τ's candidates: the gate fires on at most this share of the calibration fillers (a quiet chat's bar)."""
+FACTORS = (2.0, 1.75, 1.5, 1.25)
+"""The adaptive bar's candidates: max(τ, factor × the median of the chat's last WINDOW turn statistics)."""
+WINDOW = 20
+FILLER_CAP = 0.05
+"""The most calibration fillers a chosen rule may fire on (a firing re-reads, so it costs a slower turn)."""
+LATE_FILLER_CAP = 0.10
+"""The same for later-half fillers, where the turn's position no longer tells a question from an ordinary turn."""
 
 
 def summary(document: dict[str, Any], path: Path) -> str:
@@ -312,9 +361,10 @@ def summary(document: dict[str, Any], path: Path) -> str:
     verdict = "calibrated" if gate["accepted"] else "NOT calibrated: " + gate["rejected_because"]
     lines = [f"{document['model']}: {verdict}",
              f"  sketch layers {','.join(map(str, gate['sketch']['layers']))} of {gate['sketch']['n_layer']}; "
-             f"floor τ {num(gate['tau'])}, bar max(τ, {gate['adaptive']['factor']:g} × median of the last "
-             f"{gate['adaptive']['window']} turns)",
-             f"  calibration scripts: probes gated {pct(ins['probe_gate_rate'])} of {ins['n_probes']}, fillers "
+             f"floor τ {num(gate['tau'])} (fillers at {pct(gate['filler_target'])}), bar max(τ, "
+             f"{gate['adaptive']['factor']:g} × median of the last {gate['adaptive']['window']} turns)",
+             f"  calibration scripts: probes gated {pct(ins['probe_gate_rate'])} of {ins['n_probes']} "
+             f"({pct(gate.get('held_out_probe_rate'))} on scripts left out of the floor's fit), fillers "
              f"{pct(ins['filler_gate_rate'])} of {ins['n_fillers']} (later half {pct(ins['late_filler_gate_rate'])})",
              f"  probe-vs-filler AUC (all / later-half fillers): {STATISTIC} "
              f"{num(sep[STATISTIC]['auc_all_fillers'])} / {num(sep[STATISTIC]['auc_later_fillers'])}, turn index "
@@ -347,14 +397,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="registry name or GGUF path (default: the configured model)")
     p.add_argument("--scripts", nargs="+", metavar="SCRIPT",
-                   help="calibration scripts (default: recall30 seeds 02–05, the calibration split)")
+                   help="calibration scripts (default: recall30 seeds 02–05 and 10–17, the calibration split)")
     p.add_argument("--budget", default="10%,25%", help="KV budgets to calibrate on (default 10%%,25%%)")
     p.add_argument("--threads", type=int, help="CPU threads (default: the config's)")
     p.add_argument("--max-tokens", type=int, default=48, dest="max_tokens", help="longest generated answer")
     p.add_argument("--sketch-max-layers", type=int, default=2, dest="sketch_max_layers",
                    help="layers the sketch may keep (default 2: 1/8 of a K row per evicted token at int8)")
     p.add_argument("--min-probe-rate", type=float, default=0.9, dest="min_probe_rate",
-                   help="share of calibration probes the gate must catch for the model to evict (default 0.9)")
+                   help="share of calibration probes the gate must catch, each script scored at the floor fitted "
+                        "without it, for the model to evict (default 0.9)")
     p.add_argument("--no-certificate", action="store_false", dest="certificate",
                    help="skip the certificate's fit (faster; the certificate shown stays the conservative default)")
     p.add_argument("--out", type=Path, help="keep the replay's results in this folder (default: a temporary one)")

@@ -5,12 +5,12 @@ chat (Poisson eviction under the calibrated gate) against the full cache on the 
 per probe; the share of probes and of ordinary turns (all, and the later half) the gate fired on; and the coverage
 of the certificate the chat shows, in the multi-round and one-shot protocols (a ``replay --study coverage`` folder).
 
-    python -m agent.lab.transfer 'qwen2.5-coder-1.5b=CALIBRATION.json,HELDOUT_DIR,COVERAGE_DIR' … \\
+    python -m agent.lab.transfer 'qwen2.5-coder-1.5b=CALIBRATION.json,HELDOUT_DIR[+HELDOUT_DIR],COVERAGE_DIR' … \\
         --out docs/results/data/calibration/transfer.json
 
-Each model's spec is its calibration record, then optionally a held-out replay folder (``--policy
-full,poisson+gate``) and a coverage study folder; an empty field skips that part. ``render`` prints the table
-(``scripts/make_results.py --transfer``).
+Each model's spec is its calibration record, then optionally held-out replay folders (``--policy
+full,poisson+gate``; several joined by ``+``, each its own rows, named by its scripts) and a coverage study folder;
+an empty field skips that part. ``render`` prints the table (``scripts/make_results.py --transfer``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.lab.replay import aggregate
+from agent.lab.replay.rank_stats import in_later_half
 
 
 def _share(xs: list[bool]) -> float | None:
@@ -56,7 +57,7 @@ def heldout(folder: Path) -> dict[str, dict[str, Any]]:
                 row["probe_fired"].append(bool(s.get("gate_fired")))
             elif s.get("kind") == "filler":
                 row["filler_fired"].append(bool(s.get("gate_fired")))
-                if int(s["turn"]) * 2 >= last:
+                if in_later_half(s["turn"], last):
                     row["late_fired"].append(bool(s.get("gate_fired")))
     result = {}
     for budget, row in out.items():
@@ -103,8 +104,11 @@ def model_entry(spec: str) -> dict[str, Any]:
         "file": parts[0], "accepted": gate.get("accepted", True), "rejected_because": gate.get("rejected_because"),
         "layers": gate["sketch"]["layers"], "tau": gate["tau"], "in_sample": gate["in_sample"],
         "separation": gate.get("separation"), "wall_s": record.get("wall_s"), "command": record.get("command"),
-        "coverage_in_sample": record.get("coverage_in_sample"), "threads": record.get("threads")},
-        "heldout": heldout(Path(parts[1])) if parts[1] else None,
+        "coverage_in_sample": record.get("coverage_in_sample"), "threads": record.get("threads"),
+        "scripts": [Path(x).stem for x in record.get("scripts") or []],
+        "rule": {"filler_target": gate.get("filler_target"), **(gate.get("adaptive") or {})},
+        "held_out_probe_rate": gate.get("held_out_probe_rate")},
+        "heldout": [heldout(Path(folder)) for folder in parts[1].split("+")] if parts[1] else None,
         "coverage": coverage(Path(parts[2])) if parts[2] else None}
 
 
@@ -128,48 +132,83 @@ def paired_difference(full_only: int, default_only: int, n: int) -> tuple[float,
     return d, d - half, d + half
 
 
+def seeds_label(names: list[str]) -> str:
+    """``seed-00, seed-01, seed-06 … seed-09`` as "seeds 00, 01, 06–09"; other names as they are."""
+    nums = sorted(int(n[5:]) for n in names if n.startswith("seed-") and n[5:].isdigit())
+    others = sorted(n for n in names if not (n.startswith("seed-") and n[5:].isdigit()))
+    runs: list[list[int]] = []
+    for n in nums:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    parts = [f"{r[0]:02d}" if len(r) == 1 else f"{r[0]:02d}, {r[1]:02d}" if len(r) == 2 else f"{r[0]:02d}–{r[-1]:02d}"
+             for r in runs]
+    return ", ".join(([f"seeds {', '.join(parts)}"] if parts else []) + others)
+
+
+def _heldout_sets(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    got = entry.get("heldout") or []
+    return [got] if isinstance(got, dict) else list(got)  # an older table: one held-out folder
+
+
 def render(doc: dict[str, Any]) -> str:
-    lines = ["Calibration (recall30 seeds 02–05, ungated Poisson replays at 10% and 25%, `certchat calibrate`):", "",
-             "| model | verdict | sketch layers | floor τ | probes gated | fillers gated (later half) | "
+    lines = ["Calibration (`certchat calibrate`: ungated Poisson replays of the calibration scripts at 10% and 25%; "
+             "the floor's filler share and the bar's factor chosen per model by the probes caught on scripts left "
+             "out of the floor's fit):", "",
+             "| model | calibration scripts | verdict | sketch layers | floor τ (filler share) | bar factor | "
+             "probes gated (left-out scripts) | fillers gated (later half) | "
              "AUC sketch / turn index (later-half fillers) | took |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for e in doc["models"]:
         c = e["calibration"]
         ins, sep = c["in_sample"], c.get("separation") or {}
         auc_s = (sep.get("sketch.max") or {}).get("auc_later_fillers")
         auc_t = (sep.get("turn_index") or {}).get("auc_later_fillers")
         took = (c.get("wall_s") or {}).get("total")
-        lines.append(f"| {e['model']} | {'calibrated' if c['accepted'] else 'rejected'} | "
-                     f"{','.join(map(str, c['layers']))} | {c['tau']:.2f} | {_pct(ins['probe_gate_rate'])} of "
-                     f"{ins['n_probes']} | {_pct(ins['filler_gate_rate'])} ({_pct(ins['late_filler_gate_rate'])}) of "
+        rule = c.get("rule") or {}
+        lines.append(f"| {e['model']} | {seeds_label(c.get('scripts') or []) or '—'} | "
+                     f"{'calibrated' if c['accepted'] else 'rejected'} | "
+                     f"{','.join(map(str, c['layers']))} | {c['tau']:.2f} ({_pct(rule.get('filler_target'))}) | "
+                     f"{rule.get('factor', '—')} | {_pct(ins['probe_gate_rate'])} of {ins['n_probes']} "
+                     f"({_pct(c.get('held_out_probe_rate'))}) | "
+                     f"{_pct(ins['filler_gate_rate'])} ({_pct(ins['late_filler_gate_rate'])}) of "
                      f"{ins['n_fillers']} | {auc_s if auc_s is None else f'{auc_s:.3f}'} / "
                      f"{auc_t if auc_t is None else f'{auc_t:.3f}'} | "
                      f"{'—' if not took else f'{took / 60:.1f} min'} |")
-    lines += ["", "Held out (recall30 seeds 00, 01, 06–09; the default chat = Poisson eviction under the model's "
-                  "calibrated gate; coverage of the certificate shown, nominal 95%):", "",
-              "| model | budget | recall full | recall default | paired: both / full only / default only / neither | "
-              "default − full [95% CI] | probes gated | fillers gated (later half) | coverage multi-round | "
-              "coverage one-shot |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Held out (recall30 scripts no calibration saw; the default chat = Poisson eviction under the "
+                  "model's calibrated gate; coverage of the certificate shown, nominal 95%):", "",
+              "| model | held-out scripts | budget | recall full | recall default | paired: both / full only / "
+              "default only / neither | default − full [95% CI] | probes gated | fillers gated (later half) | "
+              "coverage multi-round | coverage one-shot |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in doc["models"]:
-        budgets = sorted(set((e.get("heldout") or {}).keys()) | set(((e.get("coverage") or {}).get("rows") or {})))
-        for b in budgets:
-            h = (e.get("heldout") or {}).get(b)
-            if h:
-                p, ci = h["paired"], h.get("difference_ci95")
-                diff = f"{ci[0]:+.2f} [{ci[1]:+.2f}, {ci[2]:+.2f}]" if ci else "—"
-                rec = (f"{h['recall_full']:.2f} | {h['recall_default']:.2f} | {p['both']} / {p['full_only']} / "
-                       f"{p['default_only']} / {p['neither']} of {h['n_probes']} | {diff} | "
-                       f"{_pct(h['probes_gated'])} | {_pct(h['fillers_gated'])} ({_pct(h['later_fillers_gated'])}) "
-                       f"of {h['n_fillers']}")
-            else:
-                rec = "— | — | — | — | — | —"
-            lines.append(f"| {e['model']} | {b} | {rec} | {_cov(e, b, 'multi-round')} | {_cov(e, b, 'one-shot')} |")
+        sets = _heldout_sets(e) or [{}]
+        for i, hs in enumerate(sets):
+            cov_rows = ((e.get("coverage") or {}).get("rows") or {}) if i == 0 else {}
+            budgets = sorted(set(hs) | set(cov_rows))
+            for b in budgets:
+                h = hs.get(b)
+                names = seeds_label(h["scripts"]) if h else seeds_label(
+                    sorted((e.get("coverage") or {}).get("rows", {}).get(b, {}).get("multi-round", {})
+                           .get("by_script", {})))
+                if h:
+                    p, ci = h["paired"], h.get("difference_ci95")
+                    diff = f"{ci[0]:+.2f} [{ci[1]:+.2f}, {ci[2]:+.2f}]" if ci else "—"
+                    rec = (f"{h['recall_full']:.2f} | {h['recall_default']:.2f} | {p['both']} / {p['full_only']} / "
+                           f"{p['default_only']} / {p['neither']} of {h['n_probes']} | {diff} | "
+                           f"{_pct(h['probes_gated'])} | {_pct(h['fillers_gated'])} "
+                           f"({_pct(h['later_fillers_gated'])}) of {h['n_fillers']}")
+                else:
+                    rec = "— | — | — | — | — | —"
+                cov = f"{_cov(e, b, 'multi-round')} | {_cov(e, b, 'one-shot')}" if i == 0 else "— | —"
+                lines.append(f"| {e['model']} | {names or '—'} | {b} | {rec} | {cov} |")
     cmds = []
     for e in doc["models"]:
         cmds.append(f"- {e['model']}: calibration `{e['calibration']['command']}`")
-        for h in list((e.get("heldout") or {}).values())[:1]:
-            cmds.append(f"  held out `{h['command']}` (commit {h['commit']}, {h['machine']})")
+        for hs in _heldout_sets(e):
+            for h in list(hs.values())[:1]:
+                cmds.append(f"  held out `{h['command']}` (commit {h['commit']}, {h['machine']})")
         if e.get("coverage"):
             cmds.append(f"  coverage `{e['coverage']['command']}` (commit {e['coverage']['commit']})")
     lines += ["", "Commands:", "", *cmds, "", f"Table: `{doc['command']}`", ""]

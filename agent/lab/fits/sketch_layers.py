@@ -33,7 +33,7 @@ import numpy as np
 
 from agent.gate.decision import recorded_ratios
 from agent.lab.replay import aggregate
-from agent.lab.replay.rank_stats import auc
+from agent.lab.replay.rank_stats import auc, in_later_half
 from native import sketch
 
 REFERENCE_SETS = {"DESIGN §8 / sixth session (11,13–16,20–23)": (11, 13, 14, 15, 16, 20, 21, 22, 23),
@@ -83,7 +83,7 @@ def load_turns(paths: Sequence[Path], policy: str, budget: str) -> tuple[list[in
                     for ratio in recorded_ratios(detail.get("sketch.messages") or {}).values():
                         row = np.maximum(row, ratio)
                 turns.append(Turn(run["script"], int(s["turn"]), s["kind"],
-                                  s["kind"] == "filler" and int(s["turn"]) * 2 >= last,
+                                  s["kind"] == "filler" and in_later_half(s["turn"], last),
                                   row if row is not None else np.zeros(0),
                                   detail.get("sketch.max")))
     if layers is None:

@@ -1,5 +1,5 @@
-"""Rank statistics the studies and the coverage study share: AUC with a bootstrap interval, Spearman's ρ, and a
-certificate's coverage of the realised error."""
+"""Rank statistics the studies and the coverage study share: AUC with a bootstrap interval, Spearman's ρ, a
+certificate's coverage of the realised error, and the later half of a conversation (the harder sample to separate)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,9 @@ def coverage(cells: list[dict[str, Any]]) -> dict[str, Any]:
     return {"n_cells": len(cells), "coverage": float(covered.mean()), "spearman": spearman(cert, err),
             "per_layer": {str(k): float(np.mean(v)) for k, v in sorted(layers.items())},
             "median_ratio_error_to_certificate": float(np.median(err / np.maximum(cert, 1e-30)))}
+
+
+def in_later_half(turn: int, last_turn: int) -> bool:
+    """Whether a turn lies in the later half of its conversation (whose last turn is ``last_turn``): the ordinary
+    turns a probe is compared against where the turn's position alone no longer tells them apart."""
+    return int(turn) * 2 >= int(last_turn)

@@ -7,6 +7,9 @@ default model under a full cache, greedy, and committed as replay scripts under
 ``agent/lab/replay/fixtures/recall30/`` — so the history is real model text, identical for
 every policy. A probe's fixture reply (the full-cache answer) follows it in the script,
 so each policy's own answer is scored and then replaced by it.
+
+Seeds 00–09 are the demo's. The calibration split (``certchat calibrate``) is 02–05 and 10–17; 00, 01 and 06–09 are
+held out, and 18–23 were generated for a held-out check that no fit or diagnosis had looked at.
 """
 
 from __future__ import annotations

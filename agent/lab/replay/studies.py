@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from agent.gate import calibration, certificate
-from agent.lab.replay.rank_stats import auc, auc_ci
+from agent.lab.replay.rank_stats import auc, auc_ci, in_later_half
 
 RATES = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 FILLER_TARGET = 0.1
@@ -192,7 +192,7 @@ def gating(doc: dict[str, Any], rates: tuple[float, ...] = RATES) -> list[dict[s
         last_turn: dict[str, int] = defaultdict(int)
         for s in steps:
             last_turn[s["script"]] = max(last_turn[s["script"]], int(s["turn"]))
-        late = [f["turn"] * 2 >= last_turn[f["script"]] for f in fillers]
+        late = [in_later_half(f["turn"], last_turn[f["script"]]) for f in fillers]
         base = float(np.mean([bool(p["correct"]) for p in probes]))
         full = float(np.mean([bool(p["full"]["correct"]) for p in probes]))
         random_curve = [{"rate": r, "recall": float(np.mean([r * bool(p["full"]["correct"])
