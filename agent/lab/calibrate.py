@@ -314,13 +314,13 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
     gate, candidates = fit_rule(steps)
     probe_rate = gate["held_out_probe_rate"]
     accepted = gate["tau"] is not None and probe_rate is not None and probe_rate >= args.min_probe_rate
-    left_out = "of scripts left out of the fit " if gate["leave_one_script_out"] else ""
+    left_out = " (each script scored at the floor fitted without it)" if gate["leave_one_script_out"] else ""
     record = {
         "statistic": STATISTIC, "tau": gate["tau"], "rule": "adaptive", "filler_target": gate["filler_target"],
         "adaptive": {"factor": gate["factor"], "window": WINDOW}, "evict_at": cfg.evict_at,
         "budgets": budgets, "protocol": "multi-round", "accepted": bool(accepted),
         **({} if accepted else {"rejected_because": f"the gate caught {probe_rate or 0:.0%} of the calibration "
-                                                    f"probes {left_out}under the {args.min_probe_rate:.0%} required"}),
+                                                    f"probes{left_out}, under the {args.min_probe_rate:.0%} required"}),
         "in_sample": gate["in_sample"], "held_out_probe_rate": probe_rate,
         "leave_one_script_out": gate["leave_one_script_out"], "rule_candidates": candidates,
         "separation": gate["separation"],
