@@ -89,7 +89,7 @@ def coverage(folder: Path) -> dict[str, Any]:
         n, cov = shown.get("n_cells"), shown.get("coverage")
         if n and cov is not None:
             out.setdefault(row["budget"], {})[row["protocol"]] = {
-                "coverage": cov, "n_cells": n, "turns": row["turns"],
+                "coverage": cov, "n_cells": n, "turns": row["turns"], "multiplier": shown.get("multiplier"),
                 "by_script": {k: v.get("coverage") for k, v in (row.get("by_script") or {}).items()}}
     return {"rows": out, "command": study.get("command") or study["meta"].get("command"),
             "commit": study["meta"].get("commit")}
@@ -105,6 +105,7 @@ def model_entry(spec: str) -> dict[str, Any]:
         "layers": gate["sketch"]["layers"], "tau": gate["tau"], "in_sample": gate["in_sample"],
         "separation": gate.get("separation"), "wall_s": record.get("wall_s"), "command": record.get("command"),
         "coverage_in_sample": record.get("coverage_in_sample"), "threads": record.get("threads"),
+        "multipliers": {m["budget"]: m["multiplier"] for m in record.get("multipliers") or []},
         "scripts": [Path(x).stem for x in record.get("scripts") or []],
         "rule": {"filler_target": gate.get("filler_target"), **(gate.get("adaptive") or {})},
         "held_out_probe_rate": gate.get("held_out_probe_rate")},
@@ -150,6 +151,21 @@ def seeds_label(names: list[str]) -> str:
 def _heldout_sets(entry: dict[str, Any]) -> list[dict[str, Any]]:
     got = entry.get("heldout") or []
     return [got] if isinstance(got, dict) else list(got)  # an older table: one held-out folder
+
+
+def stale_coverage(entry: dict[str, Any]) -> str:
+    """Where the coverage study ran under a multiplier k other than the record's (an earlier calibration of the
+    model), which: a larger k only widens the certificate, so its coverage can only rise."""
+    mine = (entry["calibration"].get("multipliers") or {})
+    out = []
+    for budget, protocols in ((entry.get("coverage") or {}).get("rows") or {}).items():
+        for protocol, got in protocols.items():
+            if protocol != "multi-round":  # the record's multipliers are the multi-round ones
+                continue
+            k, ours = got.get("multiplier"), mine.get(budget)
+            if k is not None and ours is not None and abs(k - ours) > 1e-6:
+                out.append(f"{budget} {protocol} k {k:.2f} (this record's {ours:.2f})")
+    return "; ".join(out)
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -211,6 +227,9 @@ def render(doc: dict[str, Any]) -> str:
                 cmds.append(f"  held out `{h['command']}` (commit {h['commit']}, {h['machine']})")
         if e.get("coverage"):
             cmds.append(f"  coverage `{e['coverage']['command']}` (commit {e['coverage']['commit']})")
+            stale = stale_coverage(e)
+            if stale:
+                cmds.append(f"  **coverage measured under another certificate than this record's**: {stale}")
     lines += ["", "Commands:", "", *cmds, "", f"Table: `{doc['command']}`", ""]
     return "\n".join(lines)
 
