@@ -199,26 +199,32 @@ def render(doc: dict[str, Any]) -> str:
               "coverage multi-round | coverage one-shot |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in doc["models"]:
-        sets = _heldout_sets(e) or [{}]
-        for i, hs in enumerate(sets):
-            cov_rows = ((e.get("coverage") or {}).get("rows") or {}) if i == 0 else {}
-            budgets = sorted(set(hs) | set(cov_rows))
-            for b in budgets:
-                h = hs.get(b)
-                names = seeds_label(h["scripts"]) if h else seeds_label(
-                    sorted((e.get("coverage") or {}).get("rows", {}).get(b, {}).get("multi-round", {})
-                           .get("by_script", {})))
-                if h:
-                    p, ci = h["paired"], h.get("difference_ci95")
-                    diff = f"{ci[0]:+.2f} [{ci[1]:+.2f}, {ci[2]:+.2f}]" if ci else "—"
-                    rec = (f"{h['recall_full']:.2f} | {h['recall_default']:.2f} | {p['both']} / {p['full_only']} / "
-                           f"{p['default_only']} / {p['neither']} of {h['n_probes']} | {diff} | "
-                           f"{_pct(h['probes_gated'])} | {_pct(h['fillers_gated'])} "
-                           f"({_pct(h['later_fillers_gated'])}) of {h['n_fillers']}")
-                else:
-                    rec = "— | — | — | — | — | —"
-                cov = f"{_cov(e, b, 'multi-round')} | {_cov(e, b, 'one-shot')}" if i == 0 else "— | —"
-                lines.append(f"| {e['model']} | {names or '—'} | {b} | {rec} | {cov} |")
+        cov_rows = (e.get("coverage") or {}).get("rows") or {}
+        cov_label = seeds_label(sorted({name for protocols in cov_rows.values() for got in protocols.values()
+                                        for name in got.get("by_script") or {}}))
+        mark = " †" if stale_coverage(e) else ""
+
+        def cov(budget: str, entry: dict[str, Any] = e, mark: str = mark) -> str:
+            multi = _cov(entry, budget, "multi-round")  # the record's multipliers are the multi-round ones
+            return f"{multi}{mark if multi != '—' else ''} | {_cov(entry, budget, 'one-shot')}"
+
+        shown = False
+        for hs in _heldout_sets(e):
+            for b in sorted(hs):
+                h = hs[b]
+                label = seeds_label(h["scripts"])
+                p, ci = h["paired"], h.get("difference_ci95")
+                diff = f"{ci[0]:+.2f} [{ci[1]:+.2f}, {ci[2]:+.2f}]" if ci else "—"
+                same = label == cov_label and b in cov_rows
+                shown = shown or same
+                lines.append(f"| {e['model']} | {label or '—'} | {b} | {h['recall_full']:.2f} | "
+                             f"{h['recall_default']:.2f} | {p['both']} / {p['full_only']} / {p['default_only']} / "
+                             f"{p['neither']} of {h['n_probes']} | {diff} | {_pct(h['probes_gated'])} | "
+                             f"{_pct(h['fillers_gated'])} ({_pct(h['later_fillers_gated'])}) of {h['n_fillers']} | "
+                             f"{cov(b) if same else '— | —'} |")
+        if not shown:  # the coverage study ran on other scripts: its own rows
+            for b in sorted(cov_rows):
+                lines.append(f"| {e['model']} | {cov_label or '—'} | {b} | — | — | — | — | — | — | {cov(b)} |")
     cmds = []
     for e in doc["models"]:
         cmds.append(f"- {e['model']}: calibration `{e['calibration']['command']}`")
@@ -229,7 +235,8 @@ def render(doc: dict[str, Any]) -> str:
             cmds.append(f"  coverage `{e['coverage']['command']}` (commit {e['coverage']['commit']})")
             stale = stale_coverage(e)
             if stale:
-                cmds.append(f"  **coverage measured under another certificate than this record's**: {stale}")
+                cmds.append(f"  † coverage measured under another certificate than this record's: {stale}; a "
+                            "larger k only widens the certificate, so coverage under this record's can only be higher")
     lines += ["", "Commands:", "", *cmds, "", f"Table: `{doc['command']}`", ""]
     return "\n".join(lines)
 
