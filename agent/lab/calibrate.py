@@ -131,18 +131,22 @@ def separation(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def fit_gate(steps: list[dict[str, Any]], target: float, rule: Adaptive) -> dict[str, Any]:
-    """τ on every script, its figures, and each script's figures at the τ fitted without it."""
-    tau = floor_tau(steps, target)
-    held_out = []
+def floors(steps: list[dict[str, Any]], target: float) -> tuple[float | None, dict[str, float | None]]:
+    """The floor τ at ``target`` on every script, and each script's τ fitted without it (none for one script)."""
     scripts = sorted({s["script"] for s in steps})
-    if len(scripts) > 1:
-        for name in scripts:
-            t = floor_tau([s for s in steps if s["script"] != name], target)
-            mine = [s for s in steps if s["script"] == name]
-            held_out.append({"script": name, "tau": t, **gate_rates(mine, t, rule)})
-    return {"tau": tau, "in_sample": gate_rates(steps, tau, rule), "leave_one_script_out": held_out,
-            "separation": separation(steps)}
+    left_out = {name: floor_tau([s for s in steps if s["script"] != name], target)
+                for name in scripts} if len(scripts) > 1 else {}
+    return floor_tau(steps, target), left_out
+
+
+def fit_gate(steps: list[dict[str, Any]], fitted: tuple[float | None, dict[str, float | None]],
+             rule: Adaptive) -> dict[str, Any]:
+    """The gate at the floors ``fitted`` (:func:`floors`) under ``rule``: its figures on every script, and each
+    script's at the τ fitted without it."""
+    tau, left_out = fitted
+    held_out = [{"script": name, "tau": t, **gate_rates([s for s in steps if s["script"] == name], t, rule)}
+                for name, t in left_out.items()]
+    return {"tau": tau, "in_sample": gate_rates(steps, tau, rule), "leave_one_script_out": held_out}
 
 
 def _pooled(rows: list[dict[str, Any]], rate: str, count: str) -> float | None:
@@ -154,33 +158,35 @@ def _pooled(rows: list[dict[str, Any]], rate: str, count: str) -> float | None:
 def fit_rule(steps: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The floor's filler share and the bar's factor, of the grid, that catch the most probes of a script left out of
     the floor's fit, among those whose gate fires on at most FILLER_CAP of the fillers (LATE_FILLER_CAP of the
-    later-half ones); ties go to fewer filler firings, then the higher bar. The fitted gate, and every candidate's
-    figures."""
+    later-half ones); ties go to fewer filler firings, then the higher bar. The fitted gate (with its probe-vs-filler
+    separation), and every candidate's figures."""
+    def within_caps(gate: dict[str, Any]) -> bool:
+        ins = gate["in_sample"]
+        return gate["tau"] is not None and (ins["filler_gate_rate"] or 0.0) <= FILLER_CAP + 1e-9 and \
+            (ins["late_filler_gate_rate"] or 0.0) <= LATE_FILLER_CAP + 1e-9
+
     candidates = []
     for target in FILLER_TARGETS:
+        fitted = floors(steps, target)  # the floor depends on the share only, not on the bar's factor
         for factor in FACTORS:
-            gate = fit_gate(steps, target, Adaptive(factor, WINDOW))
+            gate = fit_gate(steps, fitted, Adaptive(factor, WINDOW))
             lo = gate["leave_one_script_out"]
             held = _pooled(lo, "probe_gate_rate", "n_probes") if lo else gate["in_sample"]["probe_gate_rate"]
-            candidates.append({**gate, "filler_target": target, "factor": factor, "held_out_probe_rate": held})
-
-    def within_caps(c: dict[str, Any]) -> bool:
-        ins = c["in_sample"]
-        return c["tau"] is not None and (ins["filler_gate_rate"] or 0.0) <= FILLER_CAP + 1e-9 and \
-            (ins["late_filler_gate_rate"] or 0.0) <= LATE_FILLER_CAP + 1e-9
+            candidates.append({**gate, "filler_target": target, "factor": factor, "held_out_probe_rate": held,
+                               "within_caps": within_caps(gate)})
 
     def preference(c: dict[str, Any]) -> tuple[float, float, float, float]:
         return (c["held_out_probe_rate"] or 0.0, -(c["in_sample"]["filler_gate_rate"] or 0.0), c["factor"],
                 -c["filler_target"])
 
-    chosen = max([c for c in candidates if within_caps(c)] or candidates[:1], key=preference)
+    chosen = max([c for c in candidates if c["within_caps"]] or candidates[:1], key=preference)
     table = [{"filler_target": c["filler_target"], "factor": c["factor"], "tau": c["tau"],
               "held_out_probe_rate": c["held_out_probe_rate"],
               "probe_gate_rate": c["in_sample"]["probe_gate_rate"],
               "filler_gate_rate": c["in_sample"]["filler_gate_rate"],
-              "late_filler_gate_rate": c["in_sample"]["late_filler_gate_rate"], "within_caps": within_caps(c)}
+              "late_filler_gate_rate": c["in_sample"]["late_filler_gate_rate"], "within_caps": c["within_caps"]}
              for c in candidates]
-    return chosen, table
+    return {**chosen, "separation": separation(steps)}, table
 
 
 def choose_layers(results: Path, budgets: Sequence[str],

@@ -148,11 +148,6 @@ def seeds_label(names: list[str]) -> str:
     return ", ".join(([f"seeds {', '.join(parts)}"] if parts else []) + others)
 
 
-def _heldout_sets(entry: dict[str, Any]) -> list[dict[str, Any]]:
-    got = entry.get("heldout") or []
-    return [got] if isinstance(got, dict) else list(got)  # an older table: one held-out folder
-
-
 def stale_coverage(entry: dict[str, Any]) -> str:
     """Where the coverage study ran under a multiplier k other than the record's (an earlier calibration of the
     model), which: a larger k only widens the certificate, so its coverage can only rise."""
@@ -209,7 +204,7 @@ def render(doc: dict[str, Any]) -> str:
             return f"{multi}{mark if multi != '—' else ''} | {_cov(entry, budget, 'one-shot')}"
 
         shown = False
-        for hs in _heldout_sets(e):
+        for hs in e.get("heldout") or []:
             for b in sorted(hs):
                 h = hs[b]
                 label = seeds_label(h["scripts"])
@@ -228,7 +223,7 @@ def render(doc: dict[str, Any]) -> str:
     cmds = []
     for e in doc["models"]:
         cmds.append(f"- {e['model']}: calibration `{e['calibration']['command']}`")
-        for hs in _heldout_sets(e):
+        for hs in e.get("heldout") or []:
             for h in list(hs.values())[:1]:
                 cmds.append(f"  held out `{h['command']}` (commit {h['commit']}, {h['machine']})")
         if e.get("coverage"):
