@@ -124,6 +124,15 @@ class Config:
     than half of the question's attention above baseline on them — except that a history longer than 4 × this
     budget is never re-read whole for the last two reasons (it would cost more than the full cache saved): the
     most anomalous messages that fit are re-read. 0: always the whole history."""
+    evicted_rows_mb: int = 1024
+    """Host memory, in MiB, for every evicted cell's K/V rows (all layers, as the cache first computed them: about
+    12 KB per token for qwen2.5-coder-0.5b, 28 KB for the 1.5B). A targeted re-read copies a message back from
+    them instead of decoding it again over the evicted cache, which computes other K/V than the full cache held.
+    With every evicted token's rows at hand, a firing gate copies the whole history back, and the question and the
+    answer read the full history's cache. Kept while an evicting policy runs with a gate. Past the budget the rows
+    evicted longest ago go first, and re-reads decode messages again (the targeted path); a reopened chat starts
+    with none (saved states do not carry them). The log stays the source of truth: a row is used only where its
+    token is the log's. 0: keep none."""
     sketch_layers: str = "auto"
     """Model layers whose evicted keys the evicted-key sketch keeps, comma-separated (e.g. "11,13,15,20,22"),
     "auto" for the layers the gate's calibration chose (agent/gate/gate_calibration.json; on a sliding-window model
@@ -226,6 +235,10 @@ class Config:
                 or self.saved_states_mb < 0:
             raise ConfigError(f"saved_states_mb: must be a size in MiB, 0 or more (0 saves no chat states), "
                               f"got {self.saved_states_mb!r}")
+        if isinstance(self.evicted_rows_mb, bool) or not isinstance(self.evicted_rows_mb, int) \
+                or self.evicted_rows_mb < 0:
+            raise ConfigError(f"evicted_rows_mb: must be a size in MiB, 0 or more (0 keeps no evicted rows), "
+                              f"got {self.evicted_rows_mb!r}")
         if self.reread_budget < 0:
             raise ConfigError(f"reread_budget: must be 0 or more tokens (0 = always re-read the whole history), "
                               f"got {self.reread_budget}")

@@ -82,7 +82,7 @@ def gate_reason(event: "GateFired") -> str:
 def reread_words(tokens: int | None, restored: int = 0) -> str:
     """What a gate's re-read costs, in the words the chat and the CLI show."""
     words = f"re-read {tokens if tokens is not None else '?'} tokens of history"
-    return f"{words} ({restored} more restored from the last re-read)" if restored else words
+    return f"{words} ({restored} more restored from memory)" if restored else words
 
 
 def gate_words(event: "GateFired") -> str:
@@ -121,7 +121,8 @@ class GateFired:
     """Fired because too little of the evicted history was sampled (fewer than two pages) to estimate the error,
     so no certificate vouches for what was dropped; ``value`` is then not what fired it."""
     restored_tokens: int = 0
-    """History tokens restored from the copy the previous re-read left (config ``reread_copy``), not prefilled."""
+    """History tokens restored from host memory, not prefilled: the engine's evicted rows (config
+    ``evicted_rows_mb``) or the copy the previous re-read left (config ``reread_copy``)."""
     points_at: str = ""
     """When a sketch statistic fired it: the evicted message the question points at, in words ("turn 4 ('My
     gym locker code is…')")."""
@@ -232,10 +233,12 @@ class TurnResult:
     answer_tokens: int
     logprob_mean: float | None
     restored_tokens: int = 0
-    """History tokens a gate's re-read restored from the previous re-read's copy instead of prefilling them."""
+    """History tokens a gate's re-read restored from host memory instead of prefilling them: the engine's evicted
+    rows, or the previous re-read's copy."""
     reread_path: str = ""
-    """How the gate's re-read ran: "targeted" (only the messages the question points at, at their old positions,
-    then the question again), "full" (the whole history), or "" (no re-read)."""
+    """How the gate's re-read ran: "copied" (every evicted token copied back from the engine's evicted rows, then
+    the question again), "targeted" (only the messages the question points at, at their old positions, then the
+    question again), "full" (the whole history), or "" (no re-read)."""
     reread_messages: list[int] = field(default_factory=list)
     """Ids of the logged messages the re-read brought back."""
     timings: dict[str, float] = field(default_factory=dict)

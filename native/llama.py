@@ -451,6 +451,14 @@ class Context:
         """K rows (after RoPE, F32) of the sequence's cells at ``positions`` for ``layers``: [layers, pos, width]."""
         return patched.get_keys(self.handle, layers, positions, seq_id)
 
+    def kv_rows(self, seq_id: int, positions: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Every layer's K/V bytes of the sequence's cells at ``positions``: [pos, row bytes] (patch 0007)."""
+        return patched.get_rows(self.handle, positions, seq_id)
+
+    def put_kv_rows(self, seq_id: int, positions: Sequence[int] | np.ndarray, rows: np.ndarray) -> None:
+        """Put rows read by :meth:`kv_rows` back at ``positions``, which the sequence must not hold."""
+        patched.put_rows(self.handle, positions, rows, seq_id)
+
     def set_attn_queries(self, layers: Sequence[int] | None, n_window: int) -> None:
         """Report the query rows of ``layers`` over each ubatch's last ``n_window`` rows (None: off)."""
         patched.set_attn_queries(self.handle, layers, n_window)

@@ -25,7 +25,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from native import runtime
 
-MIN_PATCH_VERSION = 6
+MIN_PATCH_VERSION = 7
 """The patch level these bindings need (0001 bias, 0002 compaction, 0003 certificate, 0004 keys and queries,
 0005 re-insertion at old positions, 0006 each layer's attention window)."""
 
@@ -89,6 +89,9 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "llama_get_attn_queries": ([_p, _pi32, _pf32, _pf32, _pf32, ctypes.c_size_t], _i32),
     "llama_set_reinsert": ([_p, ctypes.c_bool], _i32),
     "llama_model_layer_n_swa": ([_p, _i32], _i32),
+    "llama_kv_seq_rows_size": ([_p, _i32], ctypes.c_int64),
+    "llama_kv_seq_get_rows": ([_p, _i32, _pi32, _i32, _p, ctypes.c_size_t], _i32),
+    "llama_kv_seq_put_rows": ([_p, _i32, _pi32, _i32, _p, ctypes.c_size_t], _i32),
 }
 
 
@@ -339,6 +342,36 @@ def get_keys(ctx: Any, layers: ArrayLike, positions: ArrayLike, seq_id: int = 0)
                                                      pos.ctypes.data_as(_pi32), len(pos),
                                                      out.ctypes.data_as(_pf32), out.size))
     return out
+
+
+# -- every layer's K/V rows by position, kept and put back (patch 0007) -----------------------------
+
+
+def rows_size(ctx: Any, seq_id: int = 0) -> int:
+    """The bytes of one cell's K/V row over all layers; raises :class:`PatchError` where the memory cannot give
+    them (iSWA, recurrent or hybrid memory; shared, M-RoPE or PLE cells)."""
+    return _check("rows_size", int(lib().llama_kv_seq_rows_size(ctx, seq_id)))
+
+
+def get_rows(ctx: Any, positions: ArrayLike, seq_id: int = 0) -> NDArray[np.uint8]:
+    """Every layer's K and V bytes of the cells of ``seq_id`` at ``positions``, as the cache holds them:
+    [n_pos, rows_size]. Each position must be in the cache: read them before ``seq_rm``."""
+    pos = _i32_array(positions).reshape(-1)
+    out = np.empty((len(pos), rows_size(ctx, seq_id)), dtype=np.uint8)
+    if len(pos):
+        _check("get_rows", lib().llama_kv_seq_get_rows(ctx, seq_id, pos.ctypes.data_as(_pi32), len(pos),
+                                                        out.ctypes.data_as(_p), out.nbytes))
+    return out
+
+
+def put_rows(ctx: Any, positions: ArrayLike, rows: NDArray[np.uint8], seq_id: int = 0) -> None:
+    """Put rows read by :func:`get_rows` back at ``positions`` (new to the sequence), in empty cells with bias 0.
+    Nothing changes when it fails."""
+    pos = _i32_array(positions).reshape(-1)
+    data = np.ascontiguousarray(rows, dtype=np.uint8)
+    if len(pos):
+        _check("put_rows", lib().llama_kv_seq_put_rows(ctx, seq_id, pos.ctypes.data_as(_pi32), len(pos),
+                                                        data.ctypes.data_as(_p), data.nbytes))
 
 
 @dataclass(frozen=True)

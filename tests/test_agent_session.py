@@ -142,7 +142,8 @@ def test_an_independent_probe_that_fires_the_gate_reads_its_question_and_rounds_
     back with the history, and answers as the full cache does, token for token (the reference: a fresh context
     that prefills the kept history and the question, then decodes greedily); the rounds it evicted stay logged,
     and the turns after it evict under new numbers."""
-    s = _session(engine, tmp_path, policy="poisson", budget="64", evict_from=0, gate="0", gate_stat="question.max")
+    s = _session(engine, tmp_path, policy="poisson", budget="64", evict_from=0, gate="0", gate_stat="question.max",
+                 evicted_rows_mb=0)
     for i in range(3):
         drive.forced(s, f"Note {i}: the locker code is 41{i}7 and the boat is called Purrnickel.", "Noted.")
     rounds_before = [r.round for r in s.store.eviction_rounds(s.conversation_id)]
@@ -218,7 +219,7 @@ def test_a_gated_reread_reports_progress_and_can_be_stopped(engine: Engine, tmp_
     re-read replaced (the turn's evicted cache, less the message) and keeps the message in the log as never
     answered."""
     config = Config(model="smollm2-135m", n_ctx=1024, evict_from=0, policy="poisson", budget="48", max_tokens=8, gate="0",
-                    page_size=4)
+                    page_size=4, evicted_rows_mb=0)
     s = ChatSession(config, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in ("My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø."):
         drive.forced(s, text, "Noted.")

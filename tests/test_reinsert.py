@@ -1,7 +1,8 @@
-"""Patch 0005 through the engine (smollm2-135m, the patched library): evicted tokens put back at their old
-positions hold the K/V a prefill of the same tokens over the same visible cells (biases included) computes, and
-the engine's mirror, its spans, the cache's cells and the sketch stay in step through re-insert, evict,
-re-insert; refusals.
+"""Patches 0005 and 0007 through the engine (smollm2-135m, the patched library): evicted tokens decoded back at
+their old positions hold the K/V a prefill of the same tokens over the same visible cells (biases included)
+computes; copied back from the engine's evicted rows they hold the very rows first computed, and a question then
+reads what it would have read had they never been evicted; the engine's mirror, its spans, the cache's cells and
+the sketch stay in step through re-insert, evict, re-insert, either way; refusals.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from agent.llm.engine import Engine, EngineSettings
+from agent.llm.evicted_rows import EvictedRows
 from native import llama, patched
 
 SYSTEM = "You are a helpful assistant. Answer concisely. " * 3
@@ -23,11 +25,22 @@ LAYERS = list(range(30))  # every layer of smollm2-135m
 
 @pytest.fixture(scope="module")
 def engines(small_model: Path):
+    """Two engines that decode re-inserted tokens (no evicted rows kept)."""
     settings = EngineSettings(model_path=small_model, n_ctx=1024, n_batch=64, threads=2)
     a, b = Engine(settings), Engine(settings)
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture(scope="module")
+def copying(small_model: Path):
+    """An engine that keeps its evicted rows and copies re-inserted tokens back from them."""
+    engine = Engine(EngineSettings(model_path=small_model, n_ctx=1024, n_batch=64, threads=2))
+    engine.keep_rows(64)
+    assert engine.rows is not None
+    yield engine
+    engine.close()
 
 
 def _tok(engine: Engine, text: str) -> list[int]:
@@ -115,8 +128,11 @@ def _sketch_rows(engine: Engine) -> dict[int, bytes]:
     return {int(p): rows.codes[:, i].tobytes() + rows.scales[:, i].tobytes() for i, p in enumerate(rows.positions)}
 
 
-def test_mirror_spans_cells_and_sketch_stay_in_step(engines: tuple[Engine, Engine]) -> None:
-    a, _ = engines
+@pytest.mark.parametrize("put_back", ["decoded", "copied"])
+def test_mirror_spans_cells_and_sketch_stay_in_step(engines: tuple[Engine, Engine], copying: Engine,
+                                                   put_back: str) -> None:
+    a = engines[0] if put_back == "decoded" else copying
+    copied = a.copied_tokens
     a.reset()
     a.set_sketch((5, 20), 8, 4)
     texts = [SYSTEM, FACT, LATER, FACT.upper(), LATER.lower()]
@@ -182,6 +198,89 @@ def test_mirror_spans_cells_and_sketch_stay_in_step(engines: tuple[Engine, Engin
     a.reset()
     assert a.rounds == 0
     a.set_sketch((), 8, 4)
+    assert (a.copied_tokens > copied) == (put_back == "copied")
+
+
+SEAS = "Yesterday I walked along the harbour and counted seventeen red boats near the pier."
+
+
+def test_rows_copied_back_are_those_first_computed(engines: tuple[Engine, Engine], copying: Engine) -> None:
+    """Evict a message and one before it, put the message back: copied, the question's next-token logits are those
+    of the cache that lost only the earlier message (as if the fact had never been evicted); decoded over the
+    evicted cache they are not."""
+    decoding, reference = engines
+    question = "What is my gym locker code?"
+
+    def logits(engine: Engine, evict: tuple[int, ...], back: bool) -> np.ndarray:
+        engine.reset()
+        msgs = [_tok(engine, t) for t in (SYSTEM, SEAS, FACT, LATER)]
+        for seg, toks in enumerate(msgs):
+            engine.feed(toks, segment=seg, logits_last=False)
+        segs = np.asarray(engine.cache.segments)
+        fact_pos = np.asarray(engine.cache.positions)[segs == 2]
+        rows = engine.ctx.kv_rows(Engine.SEQ, fact_pos) if engine.rows is not None else None
+        engine.evict(~np.isin(segs, evict))
+        if back:
+            engine.reinsert(msgs[2], int(fact_pos[0]), segment=2)
+            _assert_in_step(engine)
+            if rows is not None:
+                assert np.array_equal(engine.ctx.kv_rows(Engine.SEQ, fact_pos), rows), "byte for byte"
+        engine.feed(_tok(engine, question), segment=4)
+        return engine.ctx.logits(-1, copy=True)
+
+    want = logits(reference, (1,), back=False)
+    before = copying.copied_tokens
+    got = logits(copying, (1, 2), back=True)
+    assert copying.copied_tokens - before == len(_tok(copying, FACT))
+    decoded = logits(decoding, (1, 2), back=True)
+    np.testing.assert_allclose(got, want, atol=1e-3)
+    assert np.abs(decoded - want).max() > 0.1, "decoded over the evicted cache, the fact's K/V differ"
+
+
+def test_rows_are_put_back_only_for_the_tokens_they_hold(copying: Engine) -> None:
+    a = copying
+    a.reset()
+    toks = _tok(a, FACT)
+    a.feed(_tok(a, SYSTEM), segment=0, logits_last=False)
+    first = a.next_pos
+    a.feed(toks, segment=1, logits_last=False)
+    a.feed(_tok(a, LATER), segment=2)
+    a.evict(~(np.asarray(a.cache.segments) == 1))
+    assert a.rows is not None and len(a.rows) == len(toks)
+    before = a.copied_tokens
+    other = list(toks)
+    other[3] = toks[4]
+    a.reinsert(other, first, segment=1)
+    assert a.copied_tokens == before, "a row kept for another token is not that token's: decoded"
+    _assert_in_step(a)
+    a.evict_reinserted()
+    assert len(a.rows) == len(toks), "a decoded re-insertion does not replace the rows first computed"
+    a.reinsert(toks, first, segment=1)
+    assert a.copied_tokens == before + len(toks)
+    # positions given to new tokens forget their rows; so does an emptied cache
+    a.truncate(first + 2)
+    assert len(a.rows) == 2
+    a.reset()
+    assert len(a.rows) == 0
+
+
+def test_native_row_refusals(copying: Engine) -> None:
+    a = copying
+    a.reset()
+    a.feed(_tok(a, FACT), segment=0)
+    rows = a.ctx.kv_rows(Engine.SEQ, [2, 3])
+    with pytest.raises(patched.PatchError):
+        a.ctx.put_kv_rows(Engine.SEQ, [2, 3], rows)  # still held
+    with pytest.raises(patched.PatchError):
+        a.ctx.kv_rows(Engine.SEQ, [a.next_pos])  # not in the cache
+    assert a.ctx.seq_rm(Engine.SEQ, 2, 4)
+    with pytest.raises(patched.PatchError):
+        a.ctx.put_kv_rows(Engine.SEQ, [2, 2], rows)  # repeated
+    with pytest.raises(patched.PatchError):
+        a.ctx.put_kv_rows(Engine.SEQ, [2], rows)  # rows of another count
+    a.ctx.put_kv_rows(Engine.SEQ, [3, 2], rows[::-1])
+    assert np.array_equal(a.ctx.kv_rows(Engine.SEQ, [2, 3]), rows)
+    a.reset()
 
 
 def test_refusals(engines: tuple[Engine, Engine]) -> None:
@@ -209,3 +308,18 @@ def test_refusals(engines: tuple[Engine, Engine]) -> None:
     with pytest.raises(llama.LlamaError):
         a.ctx.decode(a.batch)
     _assert_in_step(a)
+
+
+def test_row_store_keeps_the_newest_within_its_budget() -> None:
+    store = EvictedRows(row_bytes=4, budget_bytes=12)
+    rows = np.arange(16, dtype=np.uint8).reshape(4, 4)
+    store.put(np.array([10, 11, 12, 13]), [5, 6, 7, 8], rows)
+    assert len(store) == 3 and store.dropped == 1 and store.nbytes == 12
+    assert store.take(10, [5]) is None, "the row evicted longest ago went first"
+    got = store.take(11, [6, 7, 8])
+    assert got is not None and np.array_equal(got, rows[1:])
+    assert store.take(11, [6, 0, 8]) is None
+    store.put(np.array([11]), [9], rows[:1])  # evicted again, after another token took the position
+    assert store.take(11, [9]) is not None and store.take(11, [6]) is None
+    with pytest.raises(ValueError):
+        store.put(np.array([1, 2]), [1, 2], rows[:1])

@@ -33,9 +33,10 @@ THEN = ["What is my cat called?", "Where do I go sailing?", "When is the meeting
 
 def _config(**changes: object) -> Config:
     # a 64-cell budget from the first turn, and a gate at τ = 0 that re-reads on every evicted turn: full re-reads
-    # at first, targeted ones once messages have baselines
+    # at first, targeted ones once messages have baselines. No evicted rows: a saved state carries none, so a
+    # reopened chat decodes what it re-reads, and the chat kept open must too for the two to agree token for token
     base = Config(model="smollm2-135m", n_ctx=2048, n_batch=256, threads=2, policy="poisson", budget="64", gate="0",
-                  max_tokens=24, temperature=0.0, seed=0, evict_from=0)
+                  max_tokens=24, temperature=0.0, seed=0, evict_from=0, evicted_rows_mb=0)
     return base.replace(**changes)
 
 

@@ -1,7 +1,8 @@
-"""Targeted re-reads in a real chat: a recall probe that fires the sketch gate brings back only the fact's
-messages, at their old positions, and answers as the full cache does (qwen2.5-coder-0.5b, greedy, recall30
-seed-02); Esc during that re-read puts the evicted cache back; the log, the turn record and the events say
-which path ran and what came back; the whole history is re-read when no message can be named (smollm2-135m).
+"""Re-reads in a real chat. With the engine's evicted rows kept, a firing copies every evicted token back and
+answers as the full cache does (qwen2.5-coder-0.5b, greedy, recall30 seed-02). Without them, a recall probe that
+fires the sketch gate brings back only the fact's messages, decoded at their old positions, and answers as the
+full cache does; Esc during either re-read puts the evicted cache back; the log, the turn record and the events
+say which path ran and what came back; the whole history is re-read when no message can be named (smollm2-135m).
 """
 
 from __future__ import annotations
@@ -56,15 +57,61 @@ def _state(engine: Engine) -> tuple[list[int], list[float], list[int]]:
     return list(engine.cache.positions), list(engine.cache.logpi), sorted(stored)
 
 
-def test_a_probe_answered_after_a_targeted_reread_matches_the_full_cache(qwen: Engine, tmp_path: Path) -> None:
-    full = ChatSession(_config(policy="full", gate="off"), Store(tmp_path / "full.db"), qwen, "qwen2.5-coder-0.5b")
+def _full_answer(engine: Engine, tmp_path: Path) -> str:
+    full = ChatSession(_config(policy="full", gate="off"), Store(tmp_path / "full.db"), engine, "qwen2.5-coder-0.5b")
     probe = _until_probe(full)
     want = full.send(probe.user).answer
     assert any(e in want for e in probe.probe.expect), "the full cache recalls the fact"
+    return want
+
+
+def test_a_probe_answered_after_a_copied_reread_matches_the_full_cache(qwen: Engine, tmp_path: Path) -> None:
+    qwen_rows = qwen
+    want = _full_answer(qwen_rows, tmp_path)
+    store = Store(tmp_path / "gated.db")
+    s = ChatSession(_config(**SKETCH), store, qwen_rows, "qwen2.5-coder-0.5b")
+    probe = _until_probe(s)
+    before = _state(qwen_rows)
+    evicted = sum(p1 - p0 for i in qwen_rows.cache.spans for p0, p1 in qwen_rows.evicted_runs(i))
+    assert evicted > 0
+
+    cancel = threading.Event()
+
+    def stop_at_reread(event: ev.Event) -> None:
+        if isinstance(event, ev.Rereading) and event.done > 0:
+            cancel.set()
+
+    with pytest.raises(InterruptedError):
+        s.send(probe.user, on_event=stop_at_reread, cancel=cancel)
+    assert _state(qwen_rows) == before, "Esc puts the evicted cache back"
+
+    events: list[ev.Event] = []
+    result = s.send(probe.user, on_event=events.append)
+    assert result.gate_fired and result.reread_path == "copied"
+    assert result.answer == want, "the question and the answer read the full history's cache"
+    assert result.restored_tokens == evicted, "every evicted token came back from host memory"
+    assert result.reprefill_tokens == len(store.get_message(result.user_message_id).tokens), "only the question"
+    fired = [e for e in events if isinstance(e, ev.GateFired)][0]
+    assert fired.restored_tokens == evicted and "restored from memory" in ev.gate_words(fired)
+    assert store.turns(s.conversation_id)[-1].extra["reread_path"] == "copied"
+    # at the turn's end the cache is back to its sample: no cell of the history it did not hold before, the
+    # biases written again, the sketch holding every evicted cell
+    first = int(store.get_message(result.user_message_id).first_pos)
+    assert {p for p in qwen_rows.cache.positions if p < first} <= set(before[0])
+    pos, bias = patched.get_bias(qwen_rows.ctx.memory, Engine.SEQ)
+    assert pos.tolist() == qwen_rows.cache.positions
+    np.testing.assert_allclose(bias, -np.asarray(qwen_rows.cache.logpi), atol=1e-6)
+    gone = set(range(first)) - set(qwen_rows.cache.positions)
+    assert qwen_rows.sketch is not None and gone == {int(p) for p in qwen_rows.sketch.positions if p < first}
+
+
+def test_a_probe_answered_after_a_targeted_reread_matches_the_full_cache(qwen: Engine, tmp_path: Path) -> None:
+    want = _full_answer(qwen, tmp_path)
 
     store = Store(tmp_path / "gated.db")
-    s = ChatSession(_config(**SKETCH), store, qwen, "qwen2.5-coder-0.5b")
-    _until_probe(s)
+    # no evicted rows kept: the fact's messages are decoded again
+    s = ChatSession(_config(**SKETCH, evicted_rows_mb=0), store, qwen, "qwen2.5-coder-0.5b")
+    probe = _until_probe(s)
     before = _state(qwen)
 
     # Esc during the targeted re-read: the evicted cache comes back, the message stays logged, unanswered.
@@ -136,7 +183,7 @@ FILLERS = [f"Give me one short sentence about the number {i}." for i in range(12
 def _facts_and_fillers(small: Engine, tmp_path: Path) -> ChatSession:
     """A smollm2-135m chat of FACTS and FILLERS, every answer forced, evicted to 64 cells, gate off."""
     cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=8,
-                 gate="off", page_size=4, seed=3, sketch_layers="10,20", reread_copy=False)
+                 gate="off", page_size=4, seed=3, sketch_layers="10,20", reread_copy=False, evicted_rows_mb=0)
     s = ChatSession(cfg, Store(tmp_path / "log.db"), small, "smollm2-135m")
     for text in FACTS + FILLERS:
         drive.forced(s, text, "Noted.")

@@ -102,7 +102,8 @@ class Turn:
     restored_tokens: int = 0
     gate_fired: bool = False
     reread_path: str = ""
-    """How the gate's re-read ran: "targeted" (the implicated messages), "full" (the whole history) or ""."""
+    """How the gate's re-read ran: "copied" (every evicted token back from the engine's evicted rows), "targeted"
+    (the implicated messages), "full" (the whole history re-prefilled) or ""."""
     reread_messages: list[int] = field(default_factory=list)
     """Ids of the logged messages the re-read brought back (restored from a copy or prefilled)."""
     reread_indices: tuple[int, ...] = ()
@@ -639,6 +640,10 @@ class ChatSession:
         assert decision.value is not None and decision.threshold is not None
         why_full = "mid-answer breach"
         if phase == "question":
+            copied = self._plan_copied(turn)
+            if copied is not None:
+                self._reread_copied(turn, decision, copied, on_event, cancel)
+                return
             target, why_full = self._plan_targeted(decision, turn)
             if target is not None:
                 self._reread_targeted(turn, decision, target, on_event, cancel)
@@ -653,6 +658,26 @@ class ChatSession:
             self._read_history(plan, cancel=cancel, on_event=on_event, keep_copy=True)
         self._record_reread(turn, decision, "full", [m.id for m in plan.messages], plan.prefill_tokens,
                             plan.restored_tokens)
+
+    def _plan_copied(self, turn: Turn) -> TargetedRead | None:
+        history = self.store.history(self.conversation_id)
+        logged = {m.index: m for m in _readable(history.messages, turn.user.id)}
+        # the question comes out and goes back in; the answer needs its room too
+        return self.gate.plan_copied(logged, self.engine, self.engine.free_cells() - self.config.max_tokens)
+
+    def _reread_copied(self, turn: Turn, decision: GateDecision, plan: TargetedRead, on_event: EventSink,
+                       cancel: threading.Event | None) -> None:
+        """Put every evicted token of the history back from the engine's evicted rows, as the cache first
+        computed them, and prefill the question again on top: the question and the answer read the full
+        history's cache at the cost of a copy. At the turn's end they are evicted again
+        (``Engine.evict_reinserted``)."""
+        assert decision.value is not None and decision.threshold is not None
+        on_event(ev.GateFired("question", decision.value, decision.threshold, len(turn.tokens),
+                              restored_tokens=plan.tokens, points_at=self._points_at(),
+                              question_tokens=len(turn.tokens)))
+        self._put_back(turn, plan, on_event, cancel)
+        self._record_reread(turn, decision, "copied", plan.ids, len(turn.tokens), restored=plan.tokens,
+                            indices=plan.indices)
 
     def _plan_targeted(self, decision: GateDecision, turn: Turn) -> tuple[TargetedRead | None, str]:
         history = self.store.history(self.conversation_id)
@@ -670,6 +695,18 @@ class ChatSession:
         on_event(ev.GateFired("question", decision.value, decision.threshold, target.tokens,
                               points_at=self._points_at(), reread=words, messages=len(target.messages),
                               question_tokens=len(turn.tokens)))
+        copied = self.engine.copied_tokens
+        self._put_back(turn, target, on_event, cancel)
+        # messages the engine put back from its evicted rows were copied, not prefilled
+        copied = self.engine.copied_tokens - copied
+        self._record_reread(turn, decision, "targeted", target.ids, target.tokens + len(turn.tokens) - copied,
+                            restored=copied, indices=target.indices)
+
+    def _put_back(self, turn: Turn, target: TargetedRead, on_event: EventSink,
+                  cancel: threading.Event | None) -> None:
+        """Take the question out, put ``target``'s evicted runs back at their old positions (copied from the
+        engine's evicted rows, else decoded from the log's token ids), lift the biases and prefill the question
+        again on top."""
         total = target.tokens + len(turn.tokens)
         with self._undone_if_cancelled(cancel):
             self.engine.truncate(turn.first_pos)
@@ -690,7 +727,6 @@ class ChatSession:
             self.memory.set_readout(True)
             self.engine.feed(turn.tokens, segment=turn.user.index, cancel=cancel)
             on_event(ev.Rereading(total, total))
-        self._record_reread(turn, decision, "targeted", target.ids, total, indices=target.indices)
 
     @contextmanager
     def _undone_if_cancelled(self, cancel: threading.Event | None) -> Iterator[None]:

@@ -74,6 +74,7 @@ class EvictionSettings:
     sketch_bits: int
     n_batch: int
     max_tokens: int
+    evicted_rows_mb: int
 
     @classmethod
     def from_config(cls, config: Config) -> EvictionSettings:
@@ -81,7 +82,7 @@ class EvictionSettings:
                    evict_at=config.evict_at, sinks=config.sinks, recent=config.recent, page_size=config.page_size,
                    seed=config.seed, question_window=config.question_window, cert_window=config.cert_window,
                    sketch_layers=config.sketch_layer_choice, sketch_bits=config.sketch_bits, n_batch=config.n_batch,
-                   max_tokens=config.max_tokens)
+                   max_tokens=config.max_tokens, evicted_rows_mb=config.evicted_rows_mb)
 
 
 class CacheManager:
@@ -126,6 +127,8 @@ class CacheManager:
             layers = (gate.sketch_layers(windows) if gate is not None
                       else calibration.fallback_sketch_layers(windows, settings.evict_at))
         self.engine.set_sketch(layers if sketched else (), settings.sketch_bits, settings.cert_window)
+        # what a gate's re-read copies back; without a gate nothing is ever re-read
+        self.engine.keep_rows(settings.evicted_rows_mb if self.policy.evicts and not settings.gate.off else 0)
         if self.policy.reads_attention:
             self.set_readout(True)
         elif self.engine.readout[1]:

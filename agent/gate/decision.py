@@ -690,6 +690,32 @@ class Gate:
             return None, "the messages the question points at hold more evicted tokens than the re-read budget"
         return TargetedRead(plan), ""
 
+    def plan_copied(self, logged: dict[int, Any], engine: "Engine", free_cells: int) -> TargetedRead | None:
+        """Every evicted token of the history back from the engine's evicted rows (a copy, no decode), when the
+        rows hold all of them for the log's tokens and the cache has room: the question then reads the cache the
+        full history made, whatever the gate read. None where any is missing (the row budget let it go, the chat
+        was reopened since) or the cache and the log disagree."""
+        rows = engine.rows
+        if rows is None:
+            return None
+        plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
+        need = 0
+        for index, message in sorted(logged.items()):
+            span = engine.cache.spans.get(index)
+            runs = engine.evicted_runs(index)
+            if not runs:
+                continue
+            if span is None or message.tokens is None or len(message.tokens) != span[1] - span[0]:
+                return None
+            toks = [int(t) for t in message.tokens]
+            if not all(rows.covers(p0, toks[p0 - span[0]:p1 - span[0]]) for p0, p1 in runs):
+                return None
+            need += sum(p1 - p0 for p0, p1 in runs)
+            plan.append((message, span[0], runs))
+        if not plan or need > free_cells:
+            return None
+        return TargetedRead(plan)
+
     def plan_reread(self, conversation_id: int, messages: Sequence[Any], room: int) -> ReadPlan:
         """Which of the logged ``messages`` (with their exact tokens) a re-read into ``room`` cells holds, and
         how many of the first the host copy serves."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from agent.events import Hook
+from agent.llm.evicted_rows import EvictedRows
 from native import llama, patched
 from native.sketch import EvictedKeySketch, SketchRows
 
@@ -189,6 +190,26 @@ class Engine:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.biases_lifted = False
         """The cells' −log π biases are lifted for this turn (:meth:`lift_biases`)."""
+        self.rows: EvictedRows | None = None
+        """Every evicted cell's K/V rows, all layers, as first computed (:meth:`keep_rows`): :meth:`reinsert` puts a
+        message back from them (a copy) rather than decoding it over the evicted cache. None: off, or a cache that
+        cannot give them."""
+        self.copied_tokens = 0
+        """Tokens :meth:`reinsert` has put back from :attr:`rows` rather than decoded, since the engine started."""
+
+    def keep_rows(self, budget_mb: int) -> None:
+        """Keep the K/V rows of cells evicted from now on in up to ``budget_mb`` MiB of host memory (0: none, and
+        forget those kept). Rows already kept stay, within the new budget."""
+        if budget_mb <= 0:
+            self.rows = None
+        elif self.rows is not None:
+            self.rows.resize(budget_mb << 20)
+        else:
+            try:
+                row_bytes = patched.rows_size(self.ctx.handle, self.SEQ)
+            except patched.PatchError:
+                return  # iSWA or recurrent memory: re-reads decode, as without the rows
+            self.rows = EvictedRows(row_bytes, budget_mb << 20)
 
     def close(self) -> None:
         """Free in dependency order: batch, context, model."""
@@ -220,6 +241,8 @@ class Engine:
         self.cache = CacheMirror(list(snap.positions), list(snap.tokens), list(snap.segments), list(snap.logpi),
                                  dict(snap.spans))
         self.next_pos = snap.next_pos
+        if self.rows is not None:
+            self.rows.forget_from(snap.next_pos)
         self._write_biases()
         if snap.sketch is not None:
             self.sketch = copy.deepcopy(snap.sketch)
@@ -253,6 +276,13 @@ class Engine:
             held, rest = self._held.split(gone)
         fresh = ~np.isin(gone, held.positions) if held is not None else np.ones(len(gone), dtype=bool)
         keys = self.ctx.keys(self.SEQ, layers, gone[fresh]) if layers and fresh.any() else None
+        if self.rows is not None and len(gone):
+            # a re-inserted cell's rows are already kept (put back from them) or were decoded over the evicted
+            # cache (kept nowhere): only first evictions are stored, so the store holds rows as first computed
+            first = ~np.isin(gone, self._reinserted)
+            if first.any():
+                tokens = np.asarray(self.cache.tokens, dtype=np.int64)[~keep][first]
+                self.rows.put(gone[first], tokens, self.ctx.kv_rows(self.SEQ, gone[first]))
         for p0, p1 in _runs(gone):
             if not self.ctx.seq_rm(self.SEQ, p0, p1):
                 raise llama.LlamaError(f"could not evict positions [{p0}, {p1})")
@@ -361,6 +391,8 @@ class Engine:
         self.cache.keep(keep)
         self.cache.cut(pos)
         self.next_pos = pos
+        if self.rows is not None:
+            self.rows.forget_from(pos)
         self._forget_in_sketch()
         if self._held is not None:
             self._held = self._held.split(self._held.positions[self._held.positions >= pos])[1]
@@ -374,6 +406,8 @@ class Engine:
         self._held = None
         self._reinserted = np.empty(0, np.int64)
         self.rounds = 0
+        if self.rows is not None:
+            self.rows.clear()
         if self.sketch is not None:
             self.sketch.clear()
 
@@ -432,11 +466,12 @@ class Engine:
 
     def reinsert(self, tokens: list[int], start: int, segment: int, cancel: threading.Event | None = None,
                  progress: Callable[[int], None] | None = None) -> float:
-        """Decode ``tokens`` back at their old positions [start, start + n), evicted positions below the
-        sequence's end (patch 0005): each sees the cells before it, biases included, and every later position
-        sees it. They come back unbiased (π = 1) and leave the sketch, which keeps their rows for their next
-        eviction (:attr:`_held`). Returns milliseconds; ``cancel`` and
-        ``progress`` as for :meth:`feed`."""
+        """Put ``tokens`` back at their old positions [start, start + n), evicted positions below the sequence's
+        end: copied from :attr:`rows` when it keeps every one of them for exactly these tokens (patch 0007: the
+        K/V the cache first computed), else decoded (patch 0005: each sees the cells before it, biases included).
+        Every later position sees them. They come back unbiased (π = 1) and leave the sketch, which keeps their
+        rows for their next eviction (:attr:`_held`). Returns milliseconds; ``cancel`` and ``progress`` as for
+        :meth:`feed`."""
         n = len(tokens)
         if n == 0:
             return 0.0
@@ -449,6 +484,15 @@ class Engine:
             raise llama.KVCacheFull(f"{n} tokens do not fit in the {self.free_cells()} free KV cells", 1)
         begin = time.perf_counter()
         n_batch = self.settings.n_batch
+        kept = self.rows.take(start, tokens) if self.rows is not None else None
+        if kept is not None:
+            self.ctx.put_kv_rows(self.SEQ, np.arange(start, start + n), kept)
+            self.cache.insert(list(tokens), start, segment)
+            self.copied_tokens += n
+            self._took_back(start, n)
+            if progress is not None:
+                progress(n)
+            return (time.perf_counter() - begin) * 1000.0
         self.ctx.set_reinsert(True)
         try:
             for offset in range(0, n, n_batch):
@@ -463,12 +507,17 @@ class Engine:
                     progress(offset + len(chunk))
         finally:
             self.ctx.set_reinsert(False)
-            live = np.asarray(self.cache.positions, dtype=np.int64)
-            back = live[(live >= start) & (live < start + n)]
-            self._reinserted = np.union1d(self._reinserted, back)
-            if self.sketch is not None and self.sketch.n_tokens:
-                self._held = SketchRows.join(self._held, self.sketch.take(back))
+            self._took_back(start, n)
         return (time.perf_counter() - begin) * 1000.0
+
+    def _took_back(self, start: int, n: int) -> None:
+        """Positions of [start, start + n) back in the cache are re-inserted; their sketch rows wait in
+        :attr:`_held` for their next eviction."""
+        live = np.asarray(self.cache.positions, dtype=np.int64)
+        back = live[(live >= start) & (live < start + n)]
+        self._reinserted = np.union1d(self._reinserted, back)
+        if self.sketch is not None and self.sketch.n_tokens:
+            self._held = SketchRows.join(self._held, self.sketch.take(back))
 
     def evict_reinserted(self) -> None:
         """Evict again every cell :meth:`reinsert` put back, their sketch rows returning as first evicted.

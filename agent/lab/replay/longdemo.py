@@ -282,7 +282,7 @@ def table(doc: dict[str, Any], footer: bool = True) -> str:
         ("gate rate: probes / question fillers / other turns",
          [f"{_pct(c['gate_probes'])} / {_pct(c['gate_qfillers'])} / {_pct(c['gate_other'])}" for c in cols]),
         ("tokens re-read (re-prefilled)", [_num(c["reprefill_tokens"]) for c in cols]),
-        ("tokens restored from the re-read copy", [_num(c["restored_tokens"]) for c in cols]),
+        ("tokens restored from host memory", [_num(c["restored_tokens"]) for c in cols]),
         ("turn time, mean / p95 (s)", [f"{_num(c['turn_s_mean'], 2)} / {_num(c['turn_s_p95'], 2)}" for c in cols]),
         ("turn time vs full (mean)", [_num(c["turn_s_mean"] / full["turn_s_mean"], 2, "×")
                                       if full and full["turn_s_mean"] and c["turn_s_mean"] else "—" for c in cols]),
