@@ -153,7 +153,7 @@ def test_the_transfer_table_pairs_each_probe_with_the_full_caches_answer(tmp_pat
     """Held-out recall is paired per probe (the same script line under full and under the gate), and the difference
     comes with its paired interval; the gate's firings are counted on probes and on fillers apart."""
     from agent.lab import transfer
-    from agent.lab.replay import aggregate
+    from agent.lab.replay import aggregate, rank_stats
 
     def step(turn: int, kind: str, correct: bool | None = None, fired: bool = False) -> dict:
         return {"turn": turn, "lineno": 2 * turn, "kind": kind, "correct": correct, "gate_fired": fired}
@@ -171,7 +171,7 @@ def test_the_transfer_table_pairs_each_probe_with_the_full_caches_answer(tmp_pat
     assert row["probes_gated"] == pytest.approx(2 / 3) and row["fillers_gated"] == 1.0
     d, lo, hi = row["difference_ci95"]
     assert d == 0.0 and lo < 0 < hi
-    assert transfer.paired_difference(0, 0, 10) == (0.0, 0.0, 0.0)
+    assert rank_stats.paired_difference(0, 0, 10) == (0.0, 0.0, 0.0)
     # each held-out set is its own rows, named by its scripts
     assert transfer.seeds_label(["seed-00", "seed-01", "seed-06", "seed-07", "seed-08", "seed-09"]) == \
         "seeds 00, 01, 06–09"

@@ -52,6 +52,10 @@ def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: 
         assert c["rss_peak_mib"] > 0 and sum(n for _, n in c["recall_by_category"].values()) == 2
     assert full["reprefill_tokens"] == 0 and full["gate_probes"] == 0 and full["restored_tokens"] == 0
     assert gated["gate_qfillers"] is not None  # the script's question fillers are known to the table
+    pairs = gated["paired_with_full"]
+    assert full["paired_with_full"] is None and pairs["n"] == 2
+    assert pairs["both"] + pairs["full_only"] == full["n_correct"] and pairs["both"] + pairs["this_only"] == \
+        gated["n_correct"]
     doc = aggregate.read_results(out / "results.json")
     for run in doc["runs"]:
         assert len(run["turn_wall_s"]) == len(run["steps"]) == len(run["rss_bytes"])
@@ -62,6 +66,7 @@ def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: 
         assert (out / name).exists(), name
     table = (out / "long-table.md").read_text(encoding="utf-8")
     assert "gate rate: probes / question fillers / other turns" in table and "turn time, mean / p95" in table
+    assert "| paired with full: both / full only / this only / neither | — | " in table
     # the same table from the results on disk (as after `replay merge` of shards)
     assert _cli(["demo", "long", "--from-results", str(out), "--json", "--no-plots"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["columns"]
@@ -91,3 +96,18 @@ def test_demo_long_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str], tm
     assert "cannot read" in capsys.readouterr().err
     assert _cli(["demo", "long", "--quick", "--history", "16k", "--out", str(tmp_path)]) == 1
     assert "give one of --quick" in capsys.readouterr().err
+
+
+def test_paired_counts_and_the_time_bar() -> None:
+    """Probes pair by script and turn (each seed of a sampled policy against the full cache's one run); the bar
+    is ungated eviction's mean turn time plus a tenth of the full cache's."""
+    full = {"answers": {("a", 0, 3): True, ("a", 0, 5): True, ("b", 0, 3): False}, "turn_s_mean": 2.0}
+    gated = {"answers": {("a", 0, 3): True, ("a", 0, 5): False, ("b", 0, 3): True, ("a", 1, 3): True,
+                         ("c", 0, 1): True}}
+    got = longdemo.paired(full, gated)
+    assert got is not None
+    assert (got["both"], got["full_only"], got["this_only"], got["neither"], got["n"]) == (2, 1, 1, 0, 4)
+    d, lo, hi = got["difference_ci95"]
+    assert d == 0.0 and lo < 0 < hi
+    assert longdemo.time_bar(full, {"turn_s_mean": 1.0}) == pytest.approx(1.2)
+    assert longdemo.time_bar(full, None) is None

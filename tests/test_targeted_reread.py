@@ -105,12 +105,15 @@ def test_a_probe_answered_after_a_copied_reread_matches_the_full_cache(qwen: Eng
     assert qwen_rows.sketch is not None and gone == {int(p) for p in qwen_rows.sketch.positions if p < first}
 
 
-def test_a_probe_answered_after_a_targeted_reread_matches_the_full_cache(qwen: Engine, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rows", ["decoded", "copied"])
+def test_a_probe_answered_after_a_targeted_reread_matches_the_full_cache(qwen: Engine, tmp_path: Path,
+                                                                         rows: str) -> None:
     want = _full_answer(qwen, tmp_path)
 
     store = Store(tmp_path / "gated.db")
-    # no evicted rows kept: the fact's messages are decoded again
-    s = ChatSession(_config(**SKETCH, evicted_rows_mb=0), store, qwen, "qwen2.5-coder-0.5b")
+    # no evicted rows kept: the fact's messages are decoded again; kept, with copy_back "named", copied back
+    changes = dict(evicted_rows_mb=0) if rows == "decoded" else dict(copy_back="named")
+    s = ChatSession(_config(**SKETCH, **changes), store, qwen, "qwen2.5-coder-0.5b")
     probe = _until_probe(s)
     before = _state(qwen)
 
@@ -140,8 +143,9 @@ def test_a_probe_answered_after_a_targeted_reread_matches_the_full_cache(qwen: E
                 if m.index in (2 * probe.probe.fact_turn - 1, 2 * probe.probe.fact_turn)}
     assert fact_ids & set(result.reread_messages)
     question = len(store.get_message(result.user_message_id).tokens)
-    assert 0 < result.reprefill_tokens - question <= 128
-    assert result.restored_tokens == 0
+    brought = result.reprefill_tokens + result.restored_tokens - question
+    assert 0 < brought <= 128
+    assert result.restored_tokens == (0 if rows == "decoded" else brought)
     fired = [e for e in events if isinstance(e, ev.GateFired)][0]
     assert fired.reread and "turn" in fired.reread and fired.messages == len(result.reread_messages)
     # the turn record keeps the path and the messages; the panel marks their turns

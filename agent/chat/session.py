@@ -640,7 +640,7 @@ class ChatSession:
         assert decision.value is not None and decision.threshold is not None
         why_full = "mid-answer breach"
         if phase == "question":
-            copied = self._plan_copied(turn)
+            copied = self._plan_copied(turn) if self.config.copy_back == "all" else None
             if copied is not None:
                 self._reread_copied(turn, decision, copied, on_event, cancel)
                 return
@@ -712,7 +712,12 @@ class ChatSession:
             self.engine.truncate(turn.first_pos)
             done = 0
             on_event(ev.Rereading(0, total))
-            for message, first, runs in target.messages:
+            every = [([int(t) for t in message.tokens[p0 - first:p1 - first]], p0, message.index)
+                     for message, first, runs in target.messages for p0, p1 in runs]
+            if self.engine.copy_back(every):
+                done = target.tokens
+                on_event(ev.Rereading(done, total))
+            for message, first, runs in target.messages if not done else []:
                 toks = [int(t) for t in message.tokens]
                 for p0, p1 in runs:
                     base = done

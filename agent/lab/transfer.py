@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.lab.replay import aggregate
-from agent.lab.replay.rank_stats import in_later_half
+from agent.lab.replay.rank_stats import in_later_half, paired_difference
 
 
 def _share(xs: list[bool]) -> float | None:
@@ -121,16 +121,6 @@ def _cov(entry: dict[str, Any], budget: str, protocol: str) -> str:
     rows = (entry.get("coverage") or {}).get("rows", {})
     got = rows.get(budget, {}).get(protocol)
     return f"{got['coverage']:.3f}" if got else "—"
-
-
-def paired_difference(full_only: int, default_only: int, n: int) -> tuple[float, float, float] | None:
-    """Recall of the default minus the full cache's on the same n probes, with its 95% Wald interval for paired
-    proportions (b = full only, c = default only: (c − b)/n ± 1.96·sqrt(b + c − (c − b)²/n)/n)."""
-    if not n:
-        return None
-    d = (default_only - full_only) / n
-    half = 1.96 * math.sqrt(max(full_only + default_only - (default_only - full_only) ** 2 / n, 0.0)) / n
-    return d, d - half, d + half
 
 
 def seeds_label(names: list[str]) -> str:

@@ -519,6 +519,34 @@ class Engine:
         if self.sketch is not None and self.sketch.n_tokens:
             self._held = SketchRows.join(self._held, self.sketch.take(back))
 
+    def copy_back(self, runs: Sequence[tuple[Sequence[int], int, int]]) -> bool:
+        """Put every (tokens, start, segment) run back at its old positions from :attr:`rows`, in one copy, when
+        the rows hold all of them for exactly these tokens; else change nothing and return False. As
+        :meth:`reinsert` does run by run, without a Python pass per run over the cache."""
+        if self.rows is None or not runs:
+            return False
+        parts = []
+        for tokens, start, _ in runs:
+            rows = self.rows.take(start, tokens)
+            if rows is None:
+                return False
+            parts.append(rows)
+        positions = np.concatenate([np.arange(start, start + len(tokens), dtype=np.int64) for tokens, start, _ in runs])
+        if len(np.unique(positions)) != len(positions) or positions.min() < 0 or positions.max() >= self.next_pos:
+            raise ValueError("runs to copy back must be distinct positions below the sequence's end")
+        if np.isin(positions, np.asarray(self.cache.positions, dtype=np.int64)).any():
+            raise ValueError("runs to copy back are partly still in the cache")
+        if len(positions) > self.free_cells():
+            raise llama.KVCacheFull(f"{len(positions)} tokens do not fit in the {self.free_cells()} free KV cells", 1)
+        self.ctx.put_kv_rows(self.SEQ, positions, np.concatenate(parts))
+        for tokens, start, segment in sorted(runs, key=lambda r: r[1]):
+            self.cache.insert([int(t) for t in tokens], start, segment)
+        self.copied_tokens += len(positions)
+        self._reinserted = np.union1d(self._reinserted, positions)
+        if self.sketch is not None and self.sketch.n_tokens:
+            self._held = SketchRows.join(self._held, self.sketch.take(np.sort(positions)))
+        return True
+
     def evict_reinserted(self) -> None:
         """Evict again every cell :meth:`reinsert` put back, their sketch rows returning as first evicted.
 

@@ -7,7 +7,9 @@ process's resident memory after each turn, and keeps both in the run record
 carry them. :func:`rows` turns runs into one column per (policy, budget): recall (overall,
 by distance, verbatim / paraphrased), the gate's rate on probes, question fillers and the
 other turns, tokens re-read and restored, mean and p95 turn time, decode speed, peak KV
-cells and host memory.
+cells and host memory; each column's probes paired with the full cache's on the same script
+(both right / full only / this only / neither, and the difference with its 95% interval), and
+a gated column's mean turn time against the bar ungated eviction sets (ungated + 0.10 × full).
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from agent import models
 from agent.config import Config
 from agent.lab.replay import aggregate, report
 from agent.lab.replay.batch import Settings, results_path
+from agent.lab.replay.rank_stats import paired_difference
 from agent.lab.replay.runner import Job, RunError, Runner, default_store_path, plan_jobs, shard, unique_names
 from agent.lab.replay.script import Script, Step
 
 POLICIES = "full,topk,poisson,poisson+gate"
 DISTANCE_BUCKETS: tuple[tuple[int, int | None], ...] = ((2, 9), (10, 49), (50, 149), (150, None))
 MIB = 1 << 20
+TIME_BAR_SHARE = 0.10
+"""A gated chat's mean turn time may exceed ungated eviction's by this share of the full cache's (issue 35)."""
 
 
 def rss_bytes() -> int:
@@ -190,6 +195,8 @@ def _column(members: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 other.append(s)
     scored = [p for p in probes if p.get("correct") is not None]
+    answers = {(run["script"], run["seed"], s["turn"]): bool(s["correct"]) for run in members for s in run["steps"]
+               if s["kind"] == "probe" and s.get("correct") is not None}
     by_distance: dict[str, list[bool]] = defaultdict(list)
     by_category: dict[str, list[bool]] = defaultdict(list)
     for p in scored:
@@ -203,7 +210,7 @@ def _column(members: list[dict[str, Any]]) -> dict[str, Any]:
     rss = [b for r in members for b in r.get("rss_bytes", [])]
     deltas = [max(r["rss_bytes"]) - r.get("rss_start_bytes", 0) for r in members if r.get("rss_bytes")]
     return {
-        "n_probes": len(scored), "n_correct": sum(bool(p["correct"]) for p in scored),
+        "n_probes": len(scored), "n_correct": sum(bool(p["correct"]) for p in scored), "answers": answers,
         "recall": _rate([bool(p["correct"]) for p in scored]),
         "recall_by_distance": {k: (sum(v), len(v)) for k, v in by_distance.items()},
         "recall_by_category": {k: (sum(v), len(v)) for k, v in by_category.items()},
@@ -241,6 +248,50 @@ def rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"policy": k[0], "budget": k[1], "protocol": k[2], **columns[k]} for k in order if k in columns]
 
 
+def paired(full: dict[str, Any], column: dict[str, Any]) -> dict[str, Any] | None:
+    """``column``'s probes against the full cache's on the same script and turn (each seed of a sampled policy
+    against the full cache's one run): counts, and the recall difference with its 95% interval."""
+    truth = {(script, turn): ok for (script, _, turn), ok in full["answers"].items()}
+    pairs = [(truth[(script, turn)], ok) for (script, _, turn), ok in column["answers"].items()
+             if (script, turn) in truth]
+    if not pairs:
+        return None
+    both = sum(f and c for f, c in pairs)
+    full_only = sum(f and not c for f, c in pairs)
+    this_only = sum(c and not f for f, c in pairs)
+    return {"both": both, "full_only": full_only, "this_only": this_only,
+            "neither": len(pairs) - both - full_only - this_only, "n": len(pairs),
+            "difference_ci95": paired_difference(full_only, this_only, len(pairs))}
+
+
+def time_bar(full: dict[str, Any] | None, ungated: dict[str, Any] | None) -> float | None:
+    """The mean turn time a gated column must keep under: ungated eviction's plus :data:`TIME_BAR_SHARE` of the
+    full cache's, both from the same run."""
+    if not full or not ungated or full["turn_s_mean"] is None or ungated["turn_s_mean"] is None:
+        return None
+    return float(ungated["turn_s_mean"]) + TIME_BAR_SHARE * float(full["turn_s_mean"])
+
+
+def _paired_words(full: dict[str, Any] | None, column: dict[str, Any]) -> tuple[str, str]:
+    got = paired(full, column) if full is not None and not _is_full(column["policy"]) else None
+    if got is None:
+        return "—", "—"
+    d, lo, hi = got["difference_ci95"]
+    return (f"{got['both']} / {got['full_only']} / {got['this_only']} / {got['neither']}",
+            f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] (n={got['n']})")
+
+
+def _bar_words(cols: list[dict[str, Any]], full: dict[str, Any] | None, column: dict[str, Any]) -> str:
+    if column["policy"].split("@")[0] != "poisson+gate":
+        return "—"
+    ungated = next((c for c in cols if c["policy"].split("@")[0] == "poisson" and c["budget"] == column["budget"]),
+                   None)
+    bar = time_bar(full, ungated)
+    if bar is None or column["turn_s_mean"] is None:
+        return "—"
+    return f"{column['turn_s_mean']:.2f} against {bar:.2f} s: {'met' if column['turn_s_mean'] <= bar else 'not met'}"
+
+
 def _is_full(policy: str) -> bool:
     return policy.split("@")[0] == "full"
 
@@ -276,6 +327,8 @@ def table(doc: dict[str, Any], footer: bool = True) -> str:
     cats = sorted({k for c in cols for k in c["recall_by_category"]})
     body: list[tuple[str, list[str]]] = [
         ("recall", [_frac((c["n_correct"], c["n_probes"])) for c in cols]),
+        ("paired with full: both / full only / this only / neither", [_paired_words(full, c)[0] for c in cols]),
+        ("recall − full [95% CI]", [_paired_words(full, c)[1] for c in cols]),
         *[(f"recall, distance {b}", [_frac(c["recall_by_distance"].get(b)) for c in cols]) for b in buckets
           if any(b in c["recall_by_distance"] for c in cols)],
         *[(f"recall, {k} probes", [_frac(c["recall_by_category"].get(k)) for c in cols]) for k in cats],
@@ -284,6 +337,7 @@ def table(doc: dict[str, Any], footer: bool = True) -> str:
         ("tokens re-read (re-prefilled)", [_num(c["reprefill_tokens"]) for c in cols]),
         ("tokens restored from host memory", [_num(c["restored_tokens"]) for c in cols]),
         ("turn time, mean / p95 (s)", [f"{_num(c['turn_s_mean'], 2)} / {_num(c['turn_s_p95'], 2)}" for c in cols]),
+        (f"mean turn time against ungated + {TIME_BAR_SHARE:.2f} × full", [_bar_words(cols, full, c) for c in cols]),
         ("turn time vs full (mean)", [_num(c["turn_s_mean"] / full["turn_s_mean"], 2, "×")
                                       if full and full["turn_s_mean"] and c["turn_s_mean"] else "—" for c in cols]),
         ("probe turn time, mean (s)", [_num(c["probe_turn_s_mean"], 2) for c in cols]),
@@ -354,7 +408,11 @@ def by_script_table(doc: dict[str, Any]) -> str:
 
 
 def json_line(doc: dict[str, Any]) -> str:
-    return json.dumps({"columns": rows(doc)}, ensure_ascii=False)
+    cols = rows(doc)
+    full = next((c for c in cols if _is_full(c["policy"])), None)
+    out = [{**{k: v for k, v in c.items() if k != "answers"},
+            "paired_with_full": paired(full, c) if full is not None and c is not full else None} for c in cols]
+    return json.dumps({"columns": out}, ensure_ascii=False)
 
 
 # -- plots -------------------------------------------------------------------------------------

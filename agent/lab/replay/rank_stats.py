@@ -84,3 +84,13 @@ def in_later_half(turn: int, last_turn: int) -> bool:
     """Whether a turn lies in the later half of its conversation (whose last turn is ``last_turn``): the ordinary
     turns a probe is compared against where the turn's position alone no longer tells them apart."""
     return int(turn) * 2 >= int(last_turn)
+
+
+def paired_difference(full_only: int, default_only: int, n: int) -> tuple[float, float, float] | None:
+    """Recall of the default minus the full cache's on the same n probes, with its 95% Wald interval for paired
+    proportions (b = full only, c = default only: (c − b)/n ± 1.96·sqrt(b + c − (c − b)²/n)/n)."""
+    if not n:
+        return None
+    d = (default_only - full_only) / n
+    half = 1.96 * math.sqrt(max(full_only + default_only - (default_only - full_only) ** 2 / n, 0.0)) / n
+    return d, d - half, d + half
