@@ -207,6 +207,8 @@ class MemoryView:
     full_cache_reason: str | None = None
     """Why an evicting policy runs the full cache at any length (``CacheManager.full_reason``: under gate "auto",
     a model its calibration does not cover); None when the policy applies."""
+    evicted_rows_bytes: int = 0
+    """Host memory held by the evicted cells' K/V rows a firing gate copies back (config ``evicted_rows_mb``)."""
 
 
 @dataclass(frozen=True)

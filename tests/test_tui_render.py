@@ -86,6 +86,10 @@ def test_status_line_compares_certificate_with_gate() -> None:
     assert "cert 0.1 < τ 0.3" in below.plain
     off = render.status_line(render.StatusInfo("q", "full", "10%", "off", "ready", _memory(budget_cells=None)))
     assert "gate off" in off.plain and "budget –" in off.plain
+    assert "evicted K/V" not in off.plain, "nothing said while no rows are kept"
+    kept = render.status_line(render.StatusInfo("q", "poisson", "10%", "auto", "ready",
+                                                _memory(evicted_rows_bytes=86 << 20)))
+    assert "evicted K/V 86 MiB in RAM" in kept.plain
 
 
 def test_gate_note_says_how_much_history_was_re_read() -> None:

@@ -342,6 +342,8 @@ class ChatSession:
 
     def force_answer(self, turn: Turn, text: str) -> None:
         """Teacher forcing: ``text`` enters the cache and the log as the answer, as if generated."""
+        if turn.reread_path == "copied":
+            self.memory.set_readout(False)  # as _generate: nothing is evicted, there is no error to certify
         turn.generation, turn.answer_id = self._forced(text, turn.meta)
 
     def finish_turn(self, turn: Turn, on_event: EventSink = _ignore, evict: bool = True) -> ev.TurnResult:
@@ -505,8 +507,9 @@ class ChatSession:
         except InterruptedError:
             self._abandon(turn, "reprefill")
             raise
-        if self.config.evict_at == "turn-end":
-            # the re-read ends with this message: its window's attention scores the turn-end eviction
+        if self.config.evict_at == "turn-end" and turn.reread_path != "copied":
+            # the re-read ends with this message: its window's attention scores the turn-end eviction (after a
+            # copied re-read the cells that stay are those the first prefill's attention already scored)
             self.memory.read_importance()
 
     def _generate(self, turn: Turn, on_event: EventSink,
@@ -519,7 +522,8 @@ class ChatSession:
                 stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos,
                                                      meta=turn.meta)
             self.gate.begin_answer()
-            self.memory.set_readout(self.gate.wants_answer_certificates())
+            # after a copied re-read the answer reads the whole history: no evicted cell, no error to certify
+            self.memory.set_readout(self.gate.wants_answer_certificates() and turn.reread_path != "copied")
             breach: list[GateDecision] = []
 
             def on_text(piece: str) -> None:
@@ -675,7 +679,7 @@ class ChatSession:
         on_event(ev.GateFired("question", decision.value, decision.threshold, len(turn.tokens),
                               restored_tokens=plan.tokens, points_at=self._points_at(),
                               question_tokens=len(turn.tokens)))
-        self._put_back(turn, plan, on_event, cancel)
+        self._put_back(turn, plan, on_event, cancel, readout=False)
         self._record_reread(turn, decision, "copied", plan.ids, len(turn.tokens), restored=plan.tokens,
                             indices=plan.indices)
 
@@ -703,10 +707,11 @@ class ChatSession:
                             restored=copied, indices=target.indices)
 
     def _put_back(self, turn: Turn, target: TargetedRead, on_event: EventSink,
-                  cancel: threading.Event | None) -> None:
+                  cancel: threading.Event | None, readout: bool = True) -> None:
         """Take the question out, put ``target``'s evicted runs back at their old positions (copied from the
         engine's evicted rows, else decoded from the log's token ids), lift the biases and prefill the question
-        again on top."""
+        again on top (``readout``: with the attention readout, whose importance then scores the turn-end
+        eviction; a whole history put back leaves nothing evicted to certify)."""
         total = target.tokens + len(turn.tokens)
         with self._undone_if_cancelled(cancel):
             self.engine.truncate(turn.first_pos)
@@ -729,7 +734,7 @@ class ChatSession:
             # brought back: measured on recall30 (docs/results/NOTES.md), lifting them for this turn is what lets
             # the answer use them. The biases come back with the turn-end eviction (or finish_turn).
             self.engine.lift_biases()
-            self.memory.set_readout(True)
+            self.memory.set_readout(readout)
             self.engine.feed(turn.tokens, segment=turn.user.index, cancel=cancel)
             on_event(ev.Rereading(total, total))
 
@@ -903,6 +908,7 @@ class ChatSession:
             reread=reread,
             full_cache_until=self.memory.full_until, full_cache_reason=self.memory.full_reason,
             opened=self.opened.words() if self.opened is not None else None,
+            evicted_rows_bytes=self.engine.rows.nbytes if self.engine.rows is not None else 0,
         )
 
     def _message_lengths(self) -> dict[int, int]:
