@@ -137,7 +137,9 @@ class Config:
     """What a firing gate brings back when the engine keeps the evicted rows (``evicted_rows_mb``): "all" copies
     every evicted token back, whatever statistic fired, so the question and the answer read the cache the whole
     history made (each row as the cache first computed it); "named" copies only the messages a sketch statistic
-    names (the targeted re-read, from rows where kept), and otherwise re-reads the whole history from the log."""
+    names (the targeted re-read, from rows where kept), and otherwise re-reads the whole history from the log;
+    "auto" copies all while at most 4 × ``reread_budget`` tokens are evicted (the turn over the whole history
+    then costs little more than a targeted one), and the named messages past that."""
     sketch_layers: str = "auto"
     """Model layers whose evicted keys the evicted-key sketch keeps, comma-separated (e.g. "11,13,15,20,22"),
     "auto" for the layers the gate's calibration chose (agent/gate/gate_calibration.json; on a sliding-window model
@@ -244,8 +246,8 @@ class Config:
                 or self.evicted_rows_mb < 0:
             raise ConfigError(f"evicted_rows_mb: must be a size in MiB, 0 or more (0 keeps no evicted rows), "
                               f"got {self.evicted_rows_mb!r}")
-        if self.copy_back not in ("all", "named"):
-            raise ConfigError(f"copy_back: expected \"all\" or \"named\", got {self.copy_back!r}")
+        if self.copy_back not in ("auto", "all", "named"):
+            raise ConfigError(f"copy_back: expected \"auto\", \"all\" or \"named\", got {self.copy_back!r}")
         if self.reread_budget < 0:
             raise ConfigError(f"reread_budget: must be 0 or more tokens (0 = always re-read the whole history), "
                               f"got {self.reread_budget}")

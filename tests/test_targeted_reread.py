@@ -230,3 +230,22 @@ def test_a_long_history_reads_what_fits_instead_of_the_whole(small: Engine, tmp_
     assert result.gate_fired and result.reread_path == "targeted" and fired and fired[0].reread
     assert 0 < fired[0].reprefill_tokens <= budget
     assert np.all(np.diff(small.cache.positions) > 0)
+
+
+@pytest.mark.parametrize(("reread_budget", "path"), [(4096, "copied"), (8, "full")])
+def test_auto_copies_the_whole_history_back_while_little_is_evicted(small: Engine, tmp_path: Path,
+                                                                    reread_budget: int, path: str) -> None:
+    """copy_back "auto": every evicted token comes back from host memory while at most 4 × reread_budget are
+    evicted; past that the gate's other paths run (here, a statistic that names no message: the whole history)."""
+    cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=8,
+                 gate="1000", gate_stat="question.max", page_size=4, seed=3, sketch_layers="10,20",
+                 reread_copy=False, copy_back="auto", reread_budget=reread_budget)
+    s = ChatSession(cfg, Store(tmp_path / "log.db"), small, "smollm2-135m")
+    for text in FACTS + FILLERS:
+        drive.forced(s, text, "Noted.")
+    evicted = sum(p1 - p0 for i in small.cache.spans for p0, p1 in small.evicted_runs(i))
+    assert 4 * 8 < evicted <= 4 * 4096
+    s.reconfigure(gate="0")
+    result = s.send("What is my locker code?")
+    assert result.gate_fired and result.reread_path == path
+    assert result.restored_tokens == (evicted if path == "copied" else 0)

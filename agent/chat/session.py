@@ -41,7 +41,7 @@ from agent.chat.saved_state import SavedStates, StateError
 from agent.config import Config
 from agent.eviction.budget import CacheManager, EvictionReport
 from agent.gate import calibration
-from agent.gate.decision import Gate, GateDecision, ReadPlan, TargetedRead
+from agent.gate.decision import WHOLE_REREAD_FACTOR, Gate, GateDecision, ReadPlan, TargetedRead
 from agent.llm.engine import Engine, EngineSettings, Generation
 from agent.llm.template import ChatTemplate, strip_bos
 from agent.llm.template import Message as TemplateMessage
@@ -644,7 +644,7 @@ class ChatSession:
         assert decision.value is not None and decision.threshold is not None
         why_full = "mid-answer breach"
         if phase == "question":
-            copied = self._plan_copied(turn) if self.config.copy_back == "all" else None
+            copied = self._plan_copied(turn) if self.config.copy_back != "named" else None
             if copied is not None:
                 self._reread_copied(turn, decision, copied, on_event, cancel)
                 return
@@ -667,7 +667,8 @@ class ChatSession:
         history = self.store.history(self.conversation_id)
         logged = {m.index: m for m in _readable(history.messages, turn.user.id)}
         # the question comes out and goes back in; the answer needs its room too
-        return self.gate.plan_copied(logged, self.engine, self.engine.free_cells() - self.config.max_tokens)
+        most = WHOLE_REREAD_FACTOR * self.config.reread_budget if self.config.copy_back == "auto" else None
+        return self.gate.plan_copied(logged, self.engine, self.engine.free_cells() - self.config.max_tokens, most)
 
     def _reread_copied(self, turn: Turn, decision: GateDecision, plan: TargetedRead, on_event: EventSink,
                        cancel: threading.Event | None) -> None:

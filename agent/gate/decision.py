@@ -690,11 +690,12 @@ class Gate:
             return None, "the messages the question points at hold more evicted tokens than the re-read budget"
         return TargetedRead(plan), ""
 
-    def plan_copied(self, logged: dict[int, Any], engine: "Engine", free_cells: int) -> TargetedRead | None:
+    def plan_copied(self, logged: dict[int, Any], engine: "Engine", free_cells: int,
+                    most: int | None = None) -> TargetedRead | None:
         """Every evicted token of the history back from the engine's evicted rows (a copy, no decode), when the
         rows hold all of them for the log's tokens and the cache has room: the question then reads the cache the
         full history made, whatever the gate read. None where any is missing (the row budget let it go, the chat
-        was reopened since) or the cache and the log disagree."""
+        was reopened since), the cache and the log disagree, or more than ``most`` tokens are evicted."""
         rows = engine.rows
         if rows is None:
             return None
@@ -712,7 +713,7 @@ class Gate:
                 return None
             need += sum(p1 - p0 for p0, p1 in runs)
             plan.append((message, span[0], runs))
-        if not plan or need > free_cells:
+        if not plan or need > free_cells or (most is not None and need > most):
             return None
         return TargetedRead(plan)
 

@@ -73,8 +73,9 @@ class Rule:
         return out
 
 
-def load(folder: Path) -> list[Script]:
-    """The scripts of one results folder that hold a full and an ungated Poisson run."""
+def load(folder: Path, gated: str = "poisson+gate") -> list[Script]:
+    """The scripts of one results folder that hold a full and an ungated Poisson run (``gated``: the column whose
+    measurements stand beside the prediction)."""
     doc = aggregate.read_results(folder / "results.json")
     by: dict[str, dict[str, dict[str, Any]]] = {}
     for run in doc["runs"]:
@@ -95,7 +96,7 @@ def load(folder: Path) -> list[Script]:
                               bool(detail.get("uncertified")), full["turn_wall_s"][i], ungated["turn_wall_s"][i],
                               f.get("correct") if kind == "probe" else None,
                               u.get("correct") if kind == "probe" else None))
-        out.append(Script(Path(name).stem, turns, _gated(runs.get("poisson+gate"), full)))
+        out.append(Script(Path(name).stem, turns, _gated(runs.get(gated), full)))
     return out
 
 
@@ -212,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--factors", default="1.5,2,3,4")
     p.add_argument("--window", type=int, default=20)
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="whose shipped rule to mark and score")
+    p.add_argument("--gated", default="poisson+gate", help="the gated column measured beside the prediction, e.g. "
+                   "poisson+gate@copy_back=named")
     args = p.parse_args(argv)
-    scripts = [s for folder in args.folders for s in load(folder)]
+    scripts = [s for folder in args.folders for s in load(folder, args.gated)]
     if not scripts:
         print("gate_lab: no folder holds both a full and a poisson run of a script", file=sys.stderr)
         return 1
