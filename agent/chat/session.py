@@ -678,8 +678,8 @@ class ChatSession:
         (``Engine.evict_reinserted``)."""
         assert decision.value is not None and decision.threshold is not None
         on_event(ev.GateFired("question", decision.value, decision.threshold, len(turn.tokens),
-                              restored_tokens=plan.tokens, points_at=self._points_at(),
-                              question_tokens=len(turn.tokens)))
+                              uncertified=decision.uncertified, restored_tokens=plan.tokens,
+                              points_at=self._points_at(), question_tokens=len(turn.tokens)))
         self._put_back(turn, plan, on_event, cancel, readout=False)
         self._record_reread(turn, decision, "copied", plan.ids, len(turn.tokens), restored=plan.tokens,
                             indices=plan.indices)

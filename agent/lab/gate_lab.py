@@ -76,9 +76,9 @@ class Rule:
 def load(folder: Path, gated: str = "poisson+gate") -> list[Script]:
     """The scripts of one results folder that hold a full and an ungated Poisson run (``gated``: the column whose
     measurements stand beside the prediction)."""
-    doc = aggregate.read_results(folder / "results.json")
     by: dict[str, dict[str, dict[str, Any]]] = {}
-    for run in doc["runs"]:
+    runs_in = [run for f in aggregate.result_files([folder]) for run in aggregate.read_results(f)["runs"]]
+    for run in runs_in:
         if run.get("seed", 0) == 0:
             by.setdefault(run["script"], {})[str(run["policy"])] = run
     out = []
