@@ -716,20 +716,17 @@ class ChatSession:
         total = target.tokens + len(turn.tokens)
         with self._undone_if_cancelled(cancel):
             self.engine.truncate(turn.first_pos)
-            done = 0
             on_event(ev.Rereading(0, total))
             every = [([int(t) for t in message.tokens[p0 - first:p1 - first]], p0, message.index)
                      for message, first, runs in target.messages for p0, p1 in runs]
             if self.engine.copy_back(every):
-                done = target.tokens
-                on_event(ev.Rereading(done, total))
-            for message, first, runs in target.messages if not done else []:
-                toks = [int(t) for t in message.tokens]
-                for p0, p1 in runs:
-                    base = done
-                    self.engine.reinsert(toks[p0 - first:p1 - first], p0, message.index, cancel=cancel,
-                                         progress=functools.partial(_rereading, on_event, base, total))
-                    done += p1 - p0
+                on_event(ev.Rereading(target.tokens, total))
+            else:
+                done = 0
+                for tokens, p0, index in every:
+                    self.engine.reinsert(tokens, p0, index, cancel=cancel,
+                                         progress=functools.partial(_rereading, on_event, done, total))
+                    done += len(tokens)
             # The named messages are back exactly; the answer reads the cache as it is. Under the −log π biases a
             # sampled stand-in weighs up to 1/π cells (×50 at π = 0.02) and drowns the exact cells the re-read
             # brought back: measured on recall30 (docs/results/NOTES.md), lifting them for this turn is what lets

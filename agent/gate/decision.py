@@ -246,6 +246,14 @@ class TargetedRead:
         return [m.index for m, _, _ in self.messages]
 
 
+def _fed_span(engine: "Engine", index: int, message: Any) -> tuple[int, int] | None:
+    """Where the engine fed logged message ``index``, when the log's tokens for it fill exactly that span."""
+    span = engine.cache.spans.get(index)
+    if message is None or span is None or message.tokens is None or len(message.tokens) != span[1] - span[0]:
+        return None
+    return span
+
+
 def choose_messages(messages: Sequence[Any], room: int) -> tuple[list[Any], bool]:
     """All of ``messages`` when their tokens fit in ``room`` cells; else the system prompt and the newest that
     do (True: truncated), starting at a user turn for the template to hold."""
@@ -673,8 +681,8 @@ class Gate:
         implicated = sum(self.turn.excess.get(i, 0.0) for i in chosen)
         covered = 0.0
         for index in chosen:
-            message, span = logged.get(index), engine.cache.spans.get(index)
-            if message is None or span is None or message.tokens is None or len(message.tokens) != span[1] - span[0]:
+            message, span = logged.get(index), _fed_span(engine, index, logged.get(index))
+            if message is None or span is None:
                 return None, f"message {index} is not where the log puts it"
             cache = engine.cache
             if not holds_logged_tokens(cache.positions, cache.tokens, cache.segments, index, span[0], message.tokens):
@@ -702,11 +710,11 @@ class Gate:
         plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
         need = 0
         for index, message in sorted(logged.items()):
-            span = engine.cache.spans.get(index)
             runs = engine.evicted_runs(index)
             if not runs:
                 continue
-            if span is None or message.tokens is None or len(message.tokens) != span[1] - span[0]:
+            span = _fed_span(engine, index, message)
+            if span is None:
                 return None
             toks = [int(t) for t in message.tokens]
             if not all(rows.covers(p0, toks[p0 - span[0]:p1 - span[0]]) for p0, p1 in runs):

@@ -484,12 +484,7 @@ class Engine:
             raise llama.KVCacheFull(f"{n} tokens do not fit in the {self.free_cells()} free KV cells", 1)
         begin = time.perf_counter()
         n_batch = self.settings.n_batch
-        kept = self.rows.take(start, tokens) if self.rows is not None else None
-        if kept is not None:
-            self.ctx.put_kv_rows(self.SEQ, np.arange(start, start + n), kept)
-            self.cache.insert(list(tokens), start, segment)
-            self.copied_tokens += n
-            self._took_back(start, n)
+        if self.copy_back([(tokens, start, segment)]):
             if progress is not None:
                 progress(n)
             return (time.perf_counter() - begin) * 1000.0
@@ -507,14 +502,13 @@ class Engine:
                     progress(offset + len(chunk))
         finally:
             self.ctx.set_reinsert(False)
-            self._took_back(start, n)
+            live = np.asarray(self.cache.positions, dtype=np.int64)
+            self._took_back(live[(live >= start) & (live < start + n)])
         return (time.perf_counter() - begin) * 1000.0
 
-    def _took_back(self, start: int, n: int) -> None:
-        """Positions of [start, start + n) back in the cache are re-inserted; their sketch rows wait in
+    def _took_back(self, back: np.ndarray) -> None:
+        """The sorted positions ``back`` are in the cache again, re-inserted; their sketch rows wait in
         :attr:`_held` for their next eviction."""
-        live = np.asarray(self.cache.positions, dtype=np.int64)
-        back = live[(live >= start) & (live < start + n)]
         self._reinserted = np.union1d(self._reinserted, back)
         if self.sketch is not None and self.sketch.n_tokens:
             self._held = SketchRows.join(self._held, self.sketch.take(back))
@@ -542,9 +536,7 @@ class Engine:
         for tokens, start, segment in sorted(runs, key=lambda r: r[1]):
             self.cache.insert([int(t) for t in tokens], start, segment)
         self.copied_tokens += len(positions)
-        self._reinserted = np.union1d(self._reinserted, positions)
-        if self.sketch is not None and self.sketch.n_tokens:
-            self._held = SketchRows.join(self._held, self.sketch.take(np.sort(positions)))
+        self._took_back(np.sort(positions))
         return True
 
     def evict_reinserted(self) -> None:

@@ -51,24 +51,27 @@ class EvictedRows:
             self._rows.pop(next(iter(self._rows)))
             self.dropped += 1
 
-    def covers(self, start: int, tokens: Sequence[int]) -> bool:
-        """Whether :meth:`take` would give the rows of positions [start, start + len(tokens))."""
-        for i, t in enumerate(tokens):
-            got = self._rows.get(start + i)
-            if got is None or got[0] != int(t):
-                return False
-        return True
-
-    def take(self, start: int, tokens: Sequence[int]) -> np.ndarray | None:
-        """The rows of positions [start, start + len(tokens)) if every one is kept for exactly that token, else
-        None. They stay kept: a message re-read and evicted again is the same message."""
-        out = np.empty((len(tokens), self.row_bytes), dtype=np.uint8)
+    def _kept(self, start: int, tokens: Sequence[int]) -> list[bytes] | None:
+        """The kept bytes of positions [start, start + len(tokens)) when every one is kept for exactly that token."""
+        out = []
         for i, t in enumerate(tokens):
             got = self._rows.get(start + i)
             if got is None or got[0] != int(t):
                 return None
-            out[i] = np.frombuffer(got[1], dtype=np.uint8)
+            out.append(got[1])
         return out
+
+    def covers(self, start: int, tokens: Sequence[int]) -> bool:
+        """Whether :meth:`take` would give the rows of positions [start, start + len(tokens))."""
+        return self._kept(start, tokens) is not None
+
+    def take(self, start: int, tokens: Sequence[int]) -> np.ndarray | None:
+        """The rows of positions [start, start + len(tokens)) if every one is kept for exactly that token, else
+        None. They stay kept: a message re-read and evicted again is the same message."""
+        kept = self._kept(start, tokens)
+        if kept is None:
+            return None
+        return np.frombuffer(b"".join(kept), dtype=np.uint8).reshape(len(tokens), self.row_bytes)
 
     def forget_from(self, pos: int) -> None:
         """Drop every row at ``pos`` or later: those positions are being given to new tokens."""
