@@ -59,23 +59,49 @@ prepare() {
     stamp "ready: carry build/gpu-check"
 }
 
+# cuBLAS where the toolkit beside nvcc has none (an image whose cuBLAS came with a Python wheel): point
+# CMake's CUDA::cublas at the wheel's library and headers, and remember its folder for the loader.
+find_cublas() {
+    local -n args=$1
+    local tk
+    tk="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"
+    rm -f "$OUT/cublas-dir"
+    compgen -G "$tk/lib64/libcublas.so*" > /dev/null && return 0
+    compgen -G "$tk/targets/*/lib/libcublas.so*" > /dev/null && return 0
+    local lib inc
+    lib="$(find /usr /opt -name 'libcublas.so*' -not -name '*.py' 2>/dev/null | sort | head -1 || true)"
+    [[ -n "$lib" ]] || return 0
+    local dir; dir="$(dirname "$lib")"
+    inc="$(find "$(dirname "$dir")" /usr /opt -name cublas_v2.h 2>/dev/null | head -1 || true)"
+    [[ -n "$inc" ]] || { stamp "cuBLAS library at $dir but no cublas_v2.h"; return 0; }
+    local lt; lt="$(ls "$dir"/libcublasLt.so* | head -1)"
+    args=("-DCUDA_cublas_LIBRARY=$lib" "-DCUDA_cublasLt_LIBRARY=$lt"
+          "-DCMAKE_CUDA_FLAGS=-I$(dirname "$inc")" "-DCMAKE_CXX_FLAGS=-I$(dirname "$inc")")
+    echo "$dir" > "$OUT/cublas-dir"
+    stamp "the toolkit at $tk has no cuBLAS: using $lib"
+}
+
 configure_tree() {
     [[ -f "$OUT/llama-src.tar.gz" ]] || die "build/gpu-check/llama-src.tar.gz is missing: run \`$0 prepare\` where the project is set up"
     rm -rf "$OUT/src"
     mkdir -p "$OUT/src"
     tar xzf "$OUT/llama-src.tar.gz" -C "$OUT/src"
     for p in "$ROOT"/native/patches/*.patch; do
-        (cd "$OUT/src" && git apply --whitespace=nowarn -p1 "$p") || die "patch $(basename "$p") does not apply"
+        (cd "$OUT/src" && GIT_CEILING_DIRECTORIES="$OUT" git apply --whitespace=nowarn -p1 "$p") || die "patch $(basename "$p") does not apply"
         stamp "applied $(basename "$p")"
     done
+    # git apply inside another repository's work tree skips paths silently: check that it changed the tree
+    grep -q llama_certchat_patch_version "$OUT/src/include/llama.h" || die "the patches did not change the tree"
     local gen=()
     command -v ninja > /dev/null && gen=(-G Ninja)
+    local cublas=()
+    find_cublas cublas
     cmake -S "$OUT/src" -B "$OUT/cuda" "${gen[@]}" \
         -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
         -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DGGML_CCACHE=OFF \
         -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON '-DCMAKE_BUILD_RPATH=$ORIGIN' \
-        -DGGML_CUDA=ON -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH" \
+        -DGGML_CUDA=ON -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH" "${cublas[@]}" \
         > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; die "cmake configure failed (log: build/gpu-check/configure.log)"; }
     stamp "configured (CUDA arch $CUDA_ARCH; flash-attention kernels off: the certificate does not use them)"
 }
@@ -97,15 +123,24 @@ run_tests() {
     local want have
     want="$(cat "$OUT/python-version")"
     have="$("$PYTHON" -c 'import sys; print(f"python {sys.version_info.major}.{sys.version_info.minor}")')"
-    [[ "$want" == "$have" ]] || die "the packed site-packages are for $want, this machine runs $have (set PYTHON=...)"
-    if [[ ! -d "$OUT/py/numpy" ]]; then
+    if [[ ! -d "$OUT/py/_pytest" ]]; then
         mkdir -p "$OUT/py"
         tar xzf "$OUT/site-packages.tar.gz" -C "$OUT/py"
     fi
+    if [[ "$want" != "$have" ]]; then
+        # the packed numpy is compiled for $want; the rest of the pack is pure Python
+        "$PYTHON" -c 'import numpy' 2> /dev/null \
+            || die "the packed site-packages are for $want, this machine runs $have without numpy (set PYTHON=...)"
+        rm -rf "$OUT/py/numpy" "$OUT/py/numpy.libs"
+        stamp "packed for $want, running $have: its own numpy ($("$PYTHON" -c 'import numpy; print(numpy.__version__)')), the pack's pure-Python packages"
+    fi
+    [[ -f "$OUT/cublas-dir" ]] && export LD_LIBRARY_PATH="$(cat "$OUT/cublas-dir")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     stamp "running the GPU tests"
+    # LD_PRELOAD: libllama before anything else. With the H200 image's numpy (2.5.2) imported first, the model
+    # load crashed; with libllama loaded first it ran.
     (cd "$ROOT" && \
-        PYTHONPATH="$ROOT:$OUT/py" CERTCHAT_NATIVE_LIB_DIR="$OUT/lib" CERTCHAT_TINY_GGUF_DIR="$OUT" CERTCHAT_REQUIRE_GPU=1 \
+        LD_PRELOAD="$OUT/lib/libllama.so${LD_PRELOAD:+:$LD_PRELOAD}" PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH="$ROOT:$OUT/py" CERTCHAT_NATIVE_LIB_DIR="$OUT/lib" CERTCHAT_TINY_GGUF_DIR="$OUT" CERTCHAT_REQUIRE_GPU=1 \
         "$PYTHON" -m pytest -q -m gpu tests/test_patch_gpu.py -p no:cacheprovider -o addopts="-ra" "$@")
 }
 

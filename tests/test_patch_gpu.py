@@ -1,5 +1,5 @@
-"""The patch on the CUDA backend: the bias, compaction and certificate tests with the model and its
-KV cache on the GPU, plus CPU/GPU agreement. Skipped (not faked) without a CUDA device; run them on a
+"""The patch on the CUDA backend: the bias, compaction, certificate and row put-back tests with the
+model and its KV cache on the GPU, plus CPU/GPU agreement. Skipped (not faked) without a CUDA device; run them on a
 lent GPU machine with scripts/gpu_check.sh, which builds the patched tree with CUDA.
 
 Models are the tiny random-weights GGUFs of agent/lab/tiny_gguf.py (they travel to the GPU
@@ -204,3 +204,24 @@ def test_gpu_and_cpu_agree(tiny: Callable[..., Any]) -> None:
         np.testing.assert_array_equal(ib.cell_pos, ia.cell_pos)
         np.testing.assert_allclose(ib.mass, ia.mass, rtol=1e-3, atol=1e-6)
         np.testing.assert_allclose(lb, la, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("flash_attn", [False, True], ids=["v-transposed", "v-rows"])
+def test_rows_put_back_on_gpu(tiny: Callable[..., Any], drivers: Callable[..., ps.Driver], flash_attn: bool) -> None:
+    """Patch 0007 on device buffers: rows read before eviction and put back are byte-equal and give the
+    never-evicted cache's logits (without flash attention V is stored transposed, a strided copy)."""
+    model = tiny("f32")
+    toks = ps.tokens(301, seed=72, low=3, high=500)
+    kw = dict(kv_type=ps.GGML_TYPE_F32, flash_attn=flash_attn)
+    kept, restored = drivers(model, **kw), drivers(model, **kw)
+    for d in (kept, restored):
+        d.decode(toks[:300], 0)
+    rows = patched.get_rows(restored.ctx, GONE)
+    assert rows.shape == (len(GONE), patched.rows_size(restored.ctx)) and rows.any()
+    restored.evict(GONE)
+    patched.put_rows(restored.ctx, GONE[::-1], rows[::-1])
+    np.testing.assert_array_equal(patched.get_rows(restored.ctx, GONE), rows)
+    # With flash attention (no CUDA kernels in this build: the op runs on the CPU backend) the F16
+    # accumulation makes the order of the cells show: 4e-4 on the CPU, 1.6e-3 on an H200.
+    atol = 5e-3 if flash_attn else 1e-5
+    np.testing.assert_allclose(restored.step(toks[300], 300), kept.step(toks[300], 300), rtol=0, atol=atol)
