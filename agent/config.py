@@ -133,6 +133,11 @@ class Config:
     evicted longest ago go first, and re-reads decode messages again (the targeted path); a reopened chat starts
     with none (saved states do not carry them). The log stays the source of truth: a row is used only where its
     token is the log's. 0: keep none."""
+    gate_second: str = "auto"
+    """A second, independent signal that fires the gate where its statistic stays under the bar: "auto" uses the one
+    the model's gate calibration carries, if any (record field ``second``, fitted by ``python -m agent.lab.gate_lab
+    … --second STAT --write RECORD`` on long calibration chats; no shipped record carries one, since none has yet
+    measured a gain held out); "off" reads only the gate's statistic."""
     copy_back: str = "all"
     """What a firing gate brings back when the engine keeps the evicted rows (``evicted_rows_mb``): "all" copies
     every evicted token back, whatever statistic fired, so the question and the answer read the cache the whole
@@ -246,6 +251,8 @@ class Config:
                 or self.evicted_rows_mb < 0:
             raise ConfigError(f"evicted_rows_mb: must be a size in MiB, 0 or more (0 keeps no evicted rows), "
                               f"got {self.evicted_rows_mb!r}")
+        if self.gate_second not in ("auto", "off"):
+            raise ConfigError(f"gate_second: expected \"auto\" or \"off\", got {self.gate_second!r}")
         if self.copy_back not in ("auto", "all", "named"):
             raise ConfigError(f"copy_back: expected \"auto\", \"all\" or \"named\", got {self.copy_back!r}")
         if self.reread_budget < 0:

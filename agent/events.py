@@ -74,6 +74,9 @@ def gate_reason(event: "GateFired") -> str:
     """Why the gate fired, in the words the chat and the CLI show."""
     if event.uncertified:
         return UNCERTIFIED
+    if event.second:
+        return (f"the kept sample's error on your question ({event.second} {event.value:.3f} ≥ {event.threshold:.3f}) "
+                "says it may need evicted history")
     if event.points_at:
         return f"your question points at {event.points_at}, which is evicted"
     return f"certificate {event.value:.3f} ≥ τ {event.threshold:.3f}"
@@ -133,6 +136,9 @@ class GateFired:
     """How many messages a targeted re-read brings back."""
     question_tokens: int = 0
     """A targeted re-read prefills the question again on top of the messages it brings back: its tokens."""
+    second: str = ""
+    """The gate's second signal fired the turn (config ``gate_second``): its statistic; ``value`` and ``threshold``
+    are its own."""
     why_full: str = ""
     """Why a sketch-fired gate re-reads the whole history rather than the messages it points at."""
 

@@ -146,3 +146,47 @@ def test_adaptive_tau_follows_the_conversation(tmp_path: Path, monkeypatch: pyte
         assert fixed.threshold() == 7.5 and fixed.implicating_level(7.5) == 7.5
     finally:
         calibration.load.cache_clear()
+
+
+def test_a_second_signal_fires_where_the_sketch_stays_quiet(tmp_path: Path) -> None:
+    """A calibrated second signal (record ``second``) fires a turn whose sketch reads under the bar when its own
+    statistic reaches its τ, only where the kept sample holds ``min_sampled`` cells; the decision says which
+    statistic fired, a targeted re-read still names messages at the sketch's bar, the turn's certificate stays the
+    gate's statistic, and ``gate_second = "off"`` or an explicit threshold reads the sketch alone."""
+    import numpy as np
+
+    from agent.gate import calibration
+    from agent.gate.decision import Gate
+
+    path = tmp_path / "gate_calibration.json"
+    path.write_text(json.dumps({"calibrations": [{
+        "statistic": "sketch.max", "tau": 5.0, "evict_at": "turn-end", "model_sha256": "ab" * 32,
+        "second": {"statistic": "question.mean", "tau": 0.95, "min_sampled": 200}}]}))
+    [model] = calibration.read(path)
+    assert model.gate("turn-end").second() == calibration.SecondSignal("question.mean", 0.95, 200)
+
+    def decide(gate: Gate, sketch: float, qmean: float, sampled: int):  # type: ignore[no-untyped-def]
+        gate.begin_turn()
+        gate.turn.sketch = {"sketch.max": sketch}
+        gate.turn.question = np.full((4, 2, 3), qmean)
+        gate.turn.sampled_cells = sampled
+        assert gate.turn.statistics()["question.mean"] == pytest.approx(qmean)
+        return gate.question_decision()
+
+    gate = Gate(config.Config(gate="auto", gate_stat="sketch.max", evict_at="turn-end"), model)
+    quiet = decide(gate, 2.0, 0.90, 500)
+    assert not quiet.fire and quiet.value == 2.0 and quiet.threshold == 5.0
+    fired = decide(gate, 2.0, 0.97, 500)
+    assert fired.fire and fired.second == "question.mean"
+    assert fired.value == pytest.approx(0.97) and fired.threshold == 0.95
+    gate.turn.anomalies = {3: 6.0, 4: 2.5}
+    gate.record_firing(fired)
+    assert gate.turn_certificate() == 2.0  # the sketch's reading, not the second signal's
+    assert not decide(gate, 2.0, 0.97, 150).fire  # too small a sample: the statistic reads on another scale
+    sketch_first = decide(gate, 9.0, 0.97, 500)
+    assert sketch_first.fire and not sketch_first.second
+    for cfg in (config.Config(gate="auto", gate_stat="sketch.max", evict_at="turn-end", gate_second="off"),
+                config.Config(gate="5", gate_stat="sketch.max", evict_at="turn-end")):
+        assert not decide(Gate(cfg, model), 2.0, 0.99, 500).fire
+    with pytest.raises(config.ConfigError, match="gate_second"):
+        config.Config(gate_second="on").validate()

@@ -18,13 +18,19 @@ TURNS = [("filler", None, None, None), ("filler", 1.0, None, None), ("filler", 1
          ("filler", 30.0, None, None), ("probe", 5.0, False, True)]
 
 
+# the second statistic's ungated readings and the kept sample's cells, per turn
+SECOND = [None, 0.90, 0.91, 0.80, 0.92, 0.97, 0.93, 0.99]
+SAMPLED = [0, 300, 300, 300, 300, 300, 300, 100]
+
+
 def _steps(policy: str, fired: set[int] = frozenset()) -> list[dict]:  # type: ignore[assignment]
     out = []
     for i, (kind, reading, full_ok, ungated_ok) in enumerate(TURNS):
         ok = full_ok if policy == "full" else ungated_ok
         out.append({"turn": i + 1, "kind": kind, "correct": ok if kind == "probe" else None,
                     "gate_fired": i in fired,
-                    "certificate_detail": {} if policy == "full" or reading is None else {"sketch.max": reading}})
+                    "certificate_detail": {} if policy == "full" or reading is None else
+                    {"sketch.max": reading, "question.mean": SECOND[i], "sampled_cells": SAMPLED[i]}})
     return out
 
 
@@ -48,8 +54,8 @@ def test_a_rule_is_scored_from_the_ungated_readings(tmp_path: Path) -> None:
     assert script.gated["firing_extra_s"] == pytest.approx(0.5) and script.gated["fired_probes"] == 1
     rule = gate_lab.Rule(floor=3.0, factor=2.0, window=20)
     # bars: 3, 3, max(3, 2·1.0)=3, max(3, 2·1.1)=3 → 9 fires; then 2.0 < 3; 30 fires; then 2·median(...) = 4 → 5 fires
-    assert rule.fires([(t.reading, t.uncertified) for t in script.turns]) == [False, False, False, True, False,
-                                                                              False, True, True]
+    assert rule.fires([(t.reading, t.uncertified, t.second, t.sampled) for t in script.turns]) == \
+        [False, False, False, True, False, False, True, True]
     s = gate_lab.score([script], rule, extra_s=0.5)
     # probe 4 fired: the full cache's right answer; probe 6 unfired: ungated wrong; probe 8 fired: full's wrong one
     assert (s.right, s.n, s.both, s.full_only, s.this_only) == (1, 3, 1, 1, 0)
@@ -59,7 +65,7 @@ def test_a_rule_is_scored_from_the_ungated_readings(tmp_path: Path) -> None:
     high = gate_lab.score([script], gate_lab.Rule(floor=100.0, factor=2.0, window=20), extra_s=0.5)
     assert high.right == 1 and high.turn_s == pytest.approx(1.0), "nothing fires: ungated eviction's answers and time"
     text = gate_lab.table([script], [rule, high.rule], shipped=rule)
-    assert "| 3 (shipped) | 2 | 20 | 1/3 |" in text and "fired probe answered as the full cache on 1 of 1" in text
+    assert "| 3 (shipped) | 2 | 20 | — | 1/3 |" in text and "fired probe answered as the full cache on 1 of 1" in text
 
 
 def test_the_command_needs_full_and_ungated_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -67,3 +73,32 @@ def test_the_command_needs_full_and_ungated_runs(tmp_path: Path, capsys: pytest.
                                            encoding="utf-8")
     assert gate_lab.main([str(tmp_path)]) == 1
     assert "no folder holds both a full and a poisson run" in capsys.readouterr().err
+
+
+def test_a_second_statistic_is_fitted_on_ordinary_turns_and_written_to_a_record(tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """τ of the second statistic is a percentile of the ordinary turns' readings where the kept sample is large
+    enough; with it, a probe under the sketch's bar fires; ``--write`` puts it into a record's gate, saying what
+    fitted it, and the gate reads it back."""
+    from agent.gate import calibration
+
+    (script,) = gate_lab.load(_doc(tmp_path), second="question.mean")
+    assert [t.second for t in script.turns] == SECOND and [t.sampled for t in script.turns] == SAMPLED
+    # ordinary turns with ≥ 200 cells: 0.90, 0.91, 0.93 (the question filler and the probes are not ordinary)
+    assert gate_lab.second_tau([script], 100, min_sampled=200) == pytest.approx(0.93)
+    assert gate_lab.second_tau([script], 50, min_sampled=200) == pytest.approx(0.91)
+    rule = gate_lab.Rule(floor=3.0, factor=2.0, window=20, second_tau=0.95, min_sampled=200)
+    # probe 6 (sketch 2.0 under its bar) now fires on 0.97; the last probe's 0.99 is read on too small a sample
+    assert rule.fires([(t.reading, t.uncertified, t.second, t.sampled) for t in script.turns]) == \
+        [False, False, False, True, False, True, True, True]
+    assert gate_lab.score([script], rule, extra_s=0.5).right == 2
+    record = tmp_path / "model.json"
+    record.write_text(json.dumps({"calibrations": [{"statistic": "sketch.max", "tau": 3.0, "evict_at": "turn-end",
+                                                    "model_sha256": "cd" * 32}]}), encoding="utf-8")
+    argv = [str(tmp_path), "--floors", "3", "--factors", "2", "--second", "question.mean", "--percentiles", "100",
+            "--min-sampled", "200", "--write", str(record), "--percentile", "100"]
+    assert gate_lab.main(argv) == 0
+    assert "0.93 (≥ 200 cells)" in capsys.readouterr().out
+    [model] = calibration.read(record)
+    assert model.gate("turn-end").second() == calibration.SecondSignal("question.mean", pytest.approx(0.93), 200)
+    assert "--min-sampled 200" in json.loads(record.read_text())["calibrations"][0]["second"]["command"]

@@ -98,6 +98,9 @@ def test_gate_note_says_how_much_history_was_re_read() -> None:
     # fired because too little was sampled: no "0 ≥ τ" that is not true
     note = render.gate_note(ev.GateFired("question", 0.0, 0.6, 99, uncertified=True))
     assert "too little of the evicted history was sampled" in note and "≥" not in note
+    # the second signal fired it: its statistic and τ, not a message it "points at"
+    note = render.gate_note(ev.GateFired("question", 0.961, 0.952, 5000, points_at="turn 4", second="question.mean"))
+    assert "question.mean 0.961 ≥ 0.952" in note and "points at" not in note
 
 
 def test_keymap_accepts_known_ids_and_reports_unknown_ones() -> None:

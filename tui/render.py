@@ -33,7 +33,7 @@ def gate_text(threshold: float | None, gate_setting: str) -> str:
 def gate_note(event: ev.GateFired) -> str:
     """The line a gate event leaves in the chat."""
     where = "before answering" if event.phase == "question" else "mid-answer"
-    why = (ev.gate_reason(event) if event.uncertified or event.points_at
+    why = (ev.gate_reason(event) if event.uncertified or event.points_at or event.second
            else f"certificate {fmt_value(event.value)} ≥ τ {fmt_value(event.threshold)}")
     note = f"{GATE_MARK} {ev.gate_words(event)} {where} ({why})"
     if event.truncated:

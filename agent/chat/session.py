@@ -654,7 +654,8 @@ class ChatSession:
                 return
         plan = self._plan_reread(in_flight=turn.user.id)
         on_event(ev.GateFired(phase, decision.value, decision.threshold, plan.prefill_tokens, plan.truncated,
-                              decision.uncertified, plan.restored_tokens, self._points_at(), why_full=why_full))
+                              decision.uncertified, plan.restored_tokens, self._points_at(), why_full=why_full,
+                              second=decision.second))
         if plan.truncated:
             on_event(ev.Notice("the history is longer than the context; re-read the system prompt and the most "
                                "recent messages that fit", "warning"))
@@ -679,7 +680,7 @@ class ChatSession:
         assert decision.value is not None and decision.threshold is not None
         on_event(ev.GateFired("question", decision.value, decision.threshold, len(turn.tokens),
                               uncertified=decision.uncertified, restored_tokens=plan.tokens,
-                              points_at=self._points_at(), question_tokens=len(turn.tokens)))
+                              points_at=self._points_at(), question_tokens=len(turn.tokens), second=decision.second))
         self._put_back(turn, plan, on_event, cancel, readout=False)
         self._record_reread(turn, decision, "copied", plan.ids, len(turn.tokens), restored=plan.tokens,
                             indices=plan.indices)
@@ -699,7 +700,7 @@ class ChatSession:
         words = ", ".join(self._message_words(i) for i in target.indices)
         on_event(ev.GateFired("question", decision.value, decision.threshold, target.tokens,
                               points_at=self._points_at(), reread=words, messages=len(target.messages),
-                              question_tokens=len(turn.tokens)))
+                              question_tokens=len(turn.tokens), second=decision.second))
         copied = self.engine.copied_tokens
         self._put_back(turn, target, on_event, cancel)
         # messages the engine put back from its evicted rows were copied, not prefilled

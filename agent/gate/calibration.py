@@ -80,6 +80,17 @@ def adaptive_tau(tau: float, recent: Sequence[float], rule: Adaptive | None) -> 
 
 
 @dataclass(frozen=True)
+class SecondSignal:
+    """A statistic that fires the gate on its own where the gate's statistic does not reach its bar: read in the
+    certificate form shown, against a fixed τ fitted on ordinary turns of long calibration chats, and only where the
+    kept sample holds at least ``min_sampled`` cells (below that the statistic reads on another scale)."""
+
+    statistic: str
+    tau: float
+    min_sampled: int = 0
+
+
+@dataclass(frozen=True)
 class GateCalibration:
     """One calibrated gate: the statistic it reads, its floor τ and rule, and what it was fitted on."""
 
@@ -106,6 +117,13 @@ class GateCalibration:
         """The adaptive rule of τ for ``statistic`` (None: a fixed τ, or calibrated for another statistic)."""
         spec = self.record.get("adaptive") if self.statistic == statistic else None
         return Adaptive(float(spec["factor"]), int(spec["window"])) if spec else None
+
+    def second(self) -> SecondSignal | None:
+        """The second signal the calibration chose (record ``second``: a statistic and its τ), or None."""
+        spec = self.record.get("second")
+        if not spec:
+            return None
+        return SecondSignal(str(spec["statistic"]), float(spec["tau"]), int(spec.get("min_sampled", 0)))
 
     def tau_form(self, budget: Budget | str | None = None, model: str | None = None, rounds: int | None = None,
                  policy: str = "poisson") -> CertificateForm:

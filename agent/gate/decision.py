@@ -42,6 +42,9 @@ class GateDecision:
     fire: bool
     uncertified: bool = False
     """Fired because too little of the evicted history was sampled to estimate the error, whatever the value."""
+    second: str = ""
+    """The second signal's statistic when it fired the turn (``value`` and ``threshold`` are then its own); ""
+    for the gate's statistic."""
 
 
 @dataclass
@@ -305,6 +308,8 @@ class GateSettings:
     answer_certificate: bool
     reread_budget: int
     reread_copy: bool
+    second: calibration.SecondSignal | None = None
+    """The calibrated second signal, when config ``gate_second`` is "auto" and the τ is the calibrated one."""
 
     @classmethod
     def from_config(cls, config: Config, model: calibration.ModelCalibration | None) -> GateSettings:
@@ -316,7 +321,9 @@ class GateSettings:
                    statistic=auto if stat == "auto" else stat,
                    evict_at=config.evict_at, budget=config.kv_budget, model=config.model, policy=config.policy,
                    page_size=config.page_size, answer_certificate=config.answer_certificate,
-                   reread_budget=config.reread_budget, reread_copy=config.reread_copy)
+                   reread_budget=config.reread_budget, reread_copy=config.reread_copy,
+                   second=cal.second() if cal is not None and config.gate_second == "auto"
+                   and config.gate_threshold.auto else None)
 
 
 class Gate:
@@ -618,7 +625,15 @@ class Gate:
             return GateDecision(value if value is not None else 0.0, tau, fire=True, uncertified=True)
         if not self.statistic.startswith(("question.", "sketch.")):
             return GateDecision(None, tau, False)
-        return GateDecision(value, tau, fire=self._breach(value, tau))
+        if self._breach(value, tau):
+            return GateDecision(value, tau, fire=True)
+        second = self.settings.second
+        if second is not None and tau is not None and (self.turn.sampled_cells or 0) >= second.min_sampled:
+            # read in the form shown: the one the calibration chats recorded it in
+            other = self.turn.statistics().get(second.statistic)
+            if self._breach(other, second.tau):
+                return GateDecision(other, second.tau, fire=True, second=second.statistic)
+        return GateDecision(value, tau, fire=False)
 
     def begin_answer(self) -> None:
         self.turn.answer = []
@@ -644,7 +659,7 @@ class Gate:
     def turn_certificate(self) -> float | None:
         """The turn's certificate: the value that fired the gate, else the configured statistic."""
         fired = self.turn.fired
-        if fired is not None and fired.value is not None:
+        if fired is not None and fired.value is not None and not fired.second:
             return fired.value
         return self.turn.statistics(self.decision_form()).get(self.statistic)
 
@@ -659,7 +674,8 @@ class Gate:
         hold at least :data:`COVER` of the implicated mass. ``logged``: the log's re-readable messages by index (exact
         token ids), checked against the positions the engine fed them at and the tokens still live there — on any
         disagreement the log wins and the whole history is re-read."""
-        tau = decision.threshold
+        # a second-signal firing names messages the way the gate's own statistic does, at its bar
+        tau = self.threshold() if decision.second else decision.threshold
         if self.settings.reread_budget <= 0:
             return None, "targeted re-reads are off (reread_budget = 0)"
         if not self.statistic.startswith("sketch.") or decision.uncertified or tau is None:

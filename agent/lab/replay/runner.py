@@ -293,7 +293,8 @@ class Runner:
             elif isinstance(event, ev.GateFired):
                 watch.gate_events.append({"phase": event.phase, "value": event.value,
                                           "threshold": event.threshold, "tokens": event.reprefill_tokens,
-                                          "targeted": bool(event.reread), "why_full": event.why_full})
+                                          "targeted": bool(event.reread), "why_full": event.why_full,
+                                          **({"second": event.second} if event.second else {})})
 
         try:
             text = answer if answer is not None else step.assistant or ""
