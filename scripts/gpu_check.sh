@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of certchat's llama.cpp patch: build the patched tree with CUDA and run the patch tests
-# on the GPU (tests/test_patch_gpu.py, marker `gpu`).
+# GPU check of certchat's llama.cpp patch and design core: build the patched tree with CUDA and run the
+# GPU tests (tests/test_patch_gpu.py and tests/test_poisson_cuda.py, marker `gpu`).
 #
 # A lent GPU machine reaches no registry and only 64 MiB travel there, so the inputs are prepared
 # here first, into build/gpu-check/ (git-ignored; pass it as `carry`):
@@ -8,6 +8,7 @@
 #                         themselves travel as tracked files (native/patches/*.patch)
 #   site-packages.tar.gz  numpy, llama_cpp (Python bindings), pytest and what they import (~30 MB)
 #   tiny-qwen2-f16.gguf, tiny-qwen2-f32.gguf   random-weights models (agent/lab/tiny_gguf.py)
+#   core/                 the design core's libraries as built here (the CUDA one with nvcc, CERTCHAT_CUDA=1)
 #
 #   scripts/gpu_check.sh prepare            here, no GPU needed
 #   scripts/gpu_check.sh build              on the GPU machine: apply the patches, CUDA build (~5-8 min, 16 cores)
@@ -42,6 +43,13 @@ prepare() {
     stamp "writing the tiny models"
     (cd "$ROOT" && "$venv_py" -m agent.lab.tiny_gguf qwen2 "$OUT/tiny-qwen2-f16.gguf" --dtype f16)
     (cd "$ROOT" && "$venv_py" -m agent.lab.tiny_gguf qwen2 "$OUT/tiny-qwen2-f32.gguf" --dtype f32)
+    stamp "copying the design core's libraries (C++ and CUDA, built here by \`certchat build\`)"
+    local built
+    built="$(cd "$ROOT" && "$venv_py" -c 'from native import runtime; print(runtime.built_libs().lib_dir)')"
+    [[ -f "$built/libcertchat_core_cuda.so" ]] \
+        || die "no CUDA design core in $built: rebuild with \`CERTCHAT_CUDA=1 certchat build\` where nvcc exists"
+    mkdir -p "$OUT/core"
+    cp "$built/libcertchat_core.so" "$built/libcertchat_core_cuda.so" "$OUT/core/"
     stamp "packing the Python packages the tests import"
     local site
     site="$("$venv_py" -c 'import numpy, os; print(os.path.dirname(os.path.dirname(numpy.__file__)))')"
@@ -54,7 +62,7 @@ prepare() {
     "$venv_py" -c 'import sys; print(f"python {sys.version_info.major}.{sys.version_info.minor}")' > "$OUT/python-version"
     du -ch "$OUT"/*.tar.gz "$OUT"/*.gguf | tail -1 | sed 's/^/  carry total: /'
     local bytes
-    bytes=$(du -cb "$OUT"/*.tar.gz "$OUT"/*.gguf "$OUT"/python-version | tail -1 | cut -f1)
+    bytes=$(du -cb "$OUT"/*.tar.gz "$OUT"/*.gguf "$OUT"/python-version "$OUT"/core | tail -1 | cut -f1)
     (( bytes < 60 * 1024 * 1024 )) || die "the carried files exceed 60 MiB ($bytes bytes)"
     stamp "ready: carry build/gpu-check"
 }
@@ -134,6 +142,8 @@ run_tests() {
         rm -rf "$OUT/py/numpy" "$OUT/py/numpy.libs"
         stamp "packed for $want, running $have: its own numpy ($("$PYTHON" -c 'import numpy; print(numpy.__version__)')), the pack's pure-Python packages"
     fi
+    # the design core beside the CUDA libllama: tests/test_poisson_cuda.py loads it from the same folder
+    [[ -d "$OUT/core" ]] && cp "$OUT"/core/*.so "$OUT/lib/"
     [[ -f "$OUT/cublas-dir" ]] && export LD_LIBRARY_PATH="$(cat "$OUT/cublas-dir")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     stamp "running the GPU tests"
@@ -141,7 +151,7 @@ run_tests() {
     # load crashed; with libllama loaded first it ran.
     (cd "$ROOT" && \
         LD_PRELOAD="$OUT/lib/libllama.so${LD_PRELOAD:+:$LD_PRELOAD}" PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH="$ROOT:$OUT/py" CERTCHAT_NATIVE_LIB_DIR="$OUT/lib" CERTCHAT_TINY_GGUF_DIR="$OUT" CERTCHAT_REQUIRE_GPU=1 \
-        "$PYTHON" -m pytest -q -m gpu tests/test_patch_gpu.py -p no:cacheprovider -o addopts="-ra" "$@")
+        "$PYTHON" -m pytest -q -m gpu tests/test_patch_gpu.py tests/test_poisson_cuda.py -p no:cacheprovider -o addopts="-ra" "$@")
 }
 
 case "${1:-}" in

@@ -26,6 +26,16 @@ def _cuda_lib_built() -> bool:
         return False
 
 
+@pytest.mark.gpu
+def test_a_required_gpu_is_seen_by_the_cuda_core() -> None:
+    """scripts/gpu_check.sh sets CERTCHAT_REQUIRE_GPU: there a skipped GPU test would hide a broken setup."""
+    import os
+
+    if not os.environ.get("CERTCHAT_REQUIRE_GPU"):
+        pytest.skip("no GPU required here")
+    assert HAS_DEVICE, "CERTCHAT_REQUIRE_GPU is set but the CUDA design core is not built or sees no device"
+
+
 @pytest.mark.skipif(HAS_DEVICE, reason="a device is present: the no-device contract cannot be exercised")
 def test_cuda_library_without_a_device_refuses_cleanly():
     if not _cuda_lib_built():
