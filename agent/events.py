@@ -215,6 +215,8 @@ class MemoryView:
     a model its calibration does not cover); None when the policy applies."""
     evicted_rows_bytes: int = 0
     """Host memory held by the evicted cells' K/V rows a firing gate copies back (config ``evicted_rows_mb``)."""
+    frame_offset: int = 0
+    """How far the cache's positions have moved down (context shifts) since it was last empty: 0, none."""
 
 
 @dataclass(frozen=True)

@@ -396,6 +396,15 @@ class Context:
         """Remove positions [p0, p1) of a sequence (-1 = open end)."""
         return bool(self._lib.llama_memory_seq_rm(self._memory, seq_id, p0, p1))
 
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Move positions [p0, p1) of a sequence by ``delta`` (-1 = open end); llama.cpp re-rotates their keys
+        (RoPE) at the next decode, and drops cells moved below position 0."""
+        self._lib.llama_memory_seq_add(self._memory, seq_id, p0, p1, delta)
+
+    def can_shift(self) -> bool:
+        """Whether the cache can move positions (RoPE models; not M-RoPE or recurrent memory)."""
+        return bool(self._lib.llama_memory_can_shift(self._memory))
+
     def seq_pos_min(self, seq_id: int = 0) -> int:
         return int(self._lib.llama_memory_seq_pos_min(self._memory, seq_id))
 

@@ -72,6 +72,8 @@ def status_line(info: StatusInfo) -> Content:
         parts.append(Content(f"cells {m.live_cells}/{m.allocated_cells}{budget}"))
         if m.full_cache_until is not None:
             parts.append(Content(ev.full_cache_words(m.full_cache_until)))
+        if m.frame_offset:
+            parts.append(Content(f"context shifted {m.frame_offset:,} positions"))
         if m.evicted_rows_bytes:
             parts.append(Content(f"evicted K/V {m.evicted_rows_bytes / (1 << 20):.0f} MiB in RAM"))
         if m.opened is not None:

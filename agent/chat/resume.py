@@ -96,6 +96,7 @@ def pack(state: SessionState, key: dict[str, Any]) -> SavedState:
                            if lengths else np.empty(0, np.float64))
     meta = {"conversation_id": state.conversation_id, "last_message_id": state.last_message_id,
             "segments": list(state.segments), "next_pos": snap.next_pos, "rounds": snap.rounds,
+            "frame_offset": snap.frame_offset,
             "memory": {"round": round_, "readings": len(readings), "history": history},
             "gate": {"statistic": g.statistic, "paid_layers": None if g.paid_layers is None else list(g.paid_layers)},
             "sketch": sketch_meta, "held": snap.held is not None,
@@ -131,7 +132,7 @@ def unpack(saved: SavedState, threads: int) -> SessionState:
         snap = EngineSnapshot(a["seq_state"].tobytes(), positions, tokens, a["segments"].tolist(),
                               a["logpi"].tolist(), int(m["next_pos"]), sketch, spans,
                               _sketch_rows("held", a) if m.get("held") else None, a["reinserted"].astype(np.int64),
-                              int(m["rounds"]))
+                              int(m["rounds"]), int(m.get("frame_offset", 0)))
         live = np.asarray(positions, dtype=np.int32)
         readings = [patched.Importance(mass=a[f"importance_{i}"][None, :], cell_pos=live[None, :])
                     for i in range(int(m["memory"]["readings"]))]

@@ -407,7 +407,8 @@ class ChatSession:
         stays logged, marked discarded."""
         assert turn.answer_id is not None
         generated = self.store.get_message(turn.answer_id)
-        first = int(generated.first_pos) if generated.first_pos is not None else self.engine.next_pos
+        first = (self.engine.frame_position(int(generated.first_pos)) if generated.first_pos is not None
+                 else self.engine.next_pos)
         self.engine.truncate(first)
         self.store.update_message_meta(turn.answer_id, {"discarded": True, "replaced": True})
         self._segments.pop()
@@ -464,7 +465,7 @@ class ChatSession:
                 if reading is not None:
                     self.gate.read_question(self.engine, self.config.cert_window, sampled, reading, self._texts)
             with clock("store"):
-                self.store.set_message_tokens(turn.user.id, tokens, turn.first_pos)
+                self.store.set_message_tokens(turn.user.id, tokens, self.engine.log_position(turn.first_pos))
             self._segments.append(turn.segment)
             if at_question:
                 self._evict(turn.first_pos, turn.user.id, clock, on_event,
@@ -519,7 +520,8 @@ class ChatSession:
         self.sampler.reset()
         while True:
             with turn.clock("store"):
-                stream = self.store.stream_assistant(self.conversation_id, first_pos=self.engine.next_pos,
+                stream = self.store.stream_assistant(self.conversation_id,
+                                                     first_pos=self.engine.log_position(self.engine.next_pos),
                                                      meta=turn.meta)
             self.gate.begin_answer()
             # after a copied re-read the answer reads the whole history: no evicted cell, no error to certify
@@ -597,7 +599,8 @@ class ChatSession:
         if self._feed_closing(closing, index):
             self.memory.read_importance(add=True)
         msg = self.store.append_message(self.conversation_id, "assistant", text, tokens=tokens + closing,
-                                        first_pos=first, meta={**(meta or {}), "forced": True})
+                                        first_pos=self.engine.log_position(first),
+                                        meta={**(meta or {}), "forced": True})
         assert msg.index == index
         self._segments.append(_Segment(msg.index, "assistant", text))
         gen = Generation(tokens=tokens, text=text, stop="forced",
@@ -860,6 +863,14 @@ class ChatSession:
         freed, report = self.memory.make_room(needed)
         if report is not None:
             self._log_round(report, pending)
+        if not freed and report is None:
+            shifted = self.memory.shift_context(needed)
+            if shifted is not None:
+                on_event(ev.Notice(f"the context is full: dropped the {shifted.dropped} oldest tokens after the "
+                                   f"first {self.memory.settings.sinks} and moved the rest down (context shift); "
+                                   "the log keeps them all", "warning"))
+                self.gate.drop_copy()
+                return
         if not freed:
             on_event(ev.Notice("the context is full: keeping the system prompt and the most recent messages",
                                "warning"))
@@ -908,6 +919,7 @@ class ChatSession:
             full_cache_until=self.memory.full_until, full_cache_reason=self.memory.full_reason,
             opened=self.opened.words() if self.opened is not None else None,
             evicted_rows_bytes=self.engine.rows.nbytes if self.engine.rows is not None else 0,
+            frame_offset=self.engine.frame_offset,
         )
 
     def _message_lengths(self) -> dict[int, int]:

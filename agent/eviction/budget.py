@@ -56,6 +56,17 @@ class EvictionReport:
 
 
 @dataclass(frozen=True)
+class ContextShift:
+    """A full cache made room as llama.cpp's context shift does: the oldest history after the sinks dropped, the
+    rest moved down to follow them (:meth:`CacheManager.shift_context`)."""
+
+    dropped: int
+    """Cells dropped."""
+    delta: int
+    """How far the kept cells moved down."""
+
+
+@dataclass(frozen=True)
 class EvictionSettings:
     """What the cache manager reads of the configuration, parsed once (:meth:`from_config`)."""
 
@@ -332,6 +343,35 @@ class CacheManager:
         budget = min(self.budget_cells() or target, target)
         report = self.evict(protect_from=self.engine.next_pos, budget=budget)
         return self.engine.free_cells() >= needed, report
+
+    def shift_context(self, needed: int) -> ContextShift | None:
+        """Make room for ``needed`` cells in a cache that does not evict (``full``, or a policy that does not apply
+        yet): drop the oldest half of the history after the sinks (at least what ``needed`` takes) and move the
+        rest down behind the sinks, keys re-rotated — llama.cpp's context shift. Positions then stay under the
+        context size, and nothing is recomputed. None where the cache cannot move positions or a shift would not
+        free enough (the session then re-reads the newest history) or the cache keeps evicted cells' keys."""
+        engine = self.engine
+        cache = engine.cache
+        sinks = self.settings.sinks
+        n = len(cache)
+        short = needed - engine.free_cells()
+        drop = max(short, (n - sinks) // 2)
+        if short <= 0 or drop >= n - sinks or not engine.ctx.can_shift():
+            return None
+        sketched = engine.sketch is not None and engine.sketch.n_tokens
+        if sketched or (engine.rows is not None and len(engine.rows)):
+            return None
+        keep = np.ones(n, dtype=bool)
+        keep[sinks:sinks + drop] = False
+        first = int(cache.positions[sinks + drop])
+        after_sinks = int(cache.positions[sinks - 1]) + 1 if sinks else 0
+        engine.evict(keep, remember=False)
+        delta = first - after_sinks
+        if delta > 0:
+            engine.shift_down(first, delta)
+        # readings map cells to positions the shift changed; the next prefill reads new ones
+        self._importance = []
+        return ContextShift(dropped=drop, delta=delta)
 
     def retained_by_message(self, roles: dict[int, str], lengths: dict[int, int]) -> list[tuple[int, str, float]]:
         """(message index, role, share of its tokens still cached) for each message."""

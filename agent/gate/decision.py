@@ -444,6 +444,10 @@ class Gate:
         self._paid = {message: list(shares) for message, shares in state.paid.items()}
         self._paid_layers = state.paid_layers
 
+    def drop_copy(self) -> None:
+        """Forget the host copy of the last re-read (the cache's positions moved since: it no longer fits)."""
+        self.copy = None
+
     def new_conversation(self) -> None:
         """A new or reopened conversation: no copy, no baselines, no recent statistics."""
         self.copy = None

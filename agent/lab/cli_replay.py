@@ -191,7 +191,9 @@ def _cmd_make_long(args: argparse.Namespace) -> int:
     counter = longchat.counter_for(tokenizer)
     try:
         for size in sizes:
-            s = longchat.generate(args.seed, size, counter, files, probes=args.probes)
+            trained = counter.context_length()
+            s = longchat.generate(args.seed, size, counter, files, probes=args.probes,
+                                  beyond=trained if 0 < trained < size else 0)
             s.meta["tokenizer"] = tokenizer
             path = longchat.save(s, args.out, tokenizer)
             print(f"{path}: {longchat.describe(s)}")

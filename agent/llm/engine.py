@@ -127,6 +127,8 @@ class EngineSnapshot:
     """The live positions :meth:`Engine.reinsert` put back."""
     rounds: int = 0
     """Eviction rounds since the cache was last empty (``Engine.rounds``)."""
+    frame_offset: int = 0
+    """How far the frame had shifted (``Engine.frame_offset``)."""
 
 
 @dataclass
@@ -196,6 +198,9 @@ class Engine:
         cannot give them."""
         self.copied_tokens = 0
         """Tokens :meth:`reinsert` has put back from :attr:`rows` rather than decoded, since the engine started."""
+        self.frame_offset = 0
+        """How far :meth:`shift_down` has moved the newest cells down since the cache was last empty: a position
+        fed now is the conversation's position ``next_pos + frame_offset`` (what the log keeps)."""
 
     def keep_rows(self, budget_mb: int) -> None:
         """Keep the K/V rows of cells evicted from now on in up to ``budget_mb`` MiB of host memory (0: none, and
@@ -233,7 +238,7 @@ class Engine:
         return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
                               list(self.cache.segments), list(self.cache.logpi), self.next_pos,
                               sketch if share_sketch or sketch is None else copy.deepcopy(sketch),
-                              dict(self.cache.spans), self._held, self._reinserted, self.rounds)
+                              dict(self.cache.spans), self._held, self._reinserted, self.rounds, self.frame_offset)
 
     def restore(self, snap: "EngineSnapshot") -> None:
         """Put the cache back as it was, biases included (state files carry none)."""
@@ -251,11 +256,14 @@ class Engine:
         self._held = snap.held
         self._reinserted = snap.reinserted
         self.rounds = snap.rounds
+        self.frame_offset = snap.frame_offset
 
-    def evict(self, keep: np.ndarray, cum_logpi: np.ndarray | None = None) -> None:
+    def evict(self, keep: np.ndarray, cum_logpi: np.ndarray | None = None, remember: bool = True) -> None:
         """Keep only the live cells where ``keep`` is True (mirror order) and compact the rest away; with
         ``cum_logpi`` (one value per live cell), the survivors' cumulative log π, written as their −log π
-        logit bias. Arguments are checked before anything changes, so the call does all of it or nothing."""
+        logit bias. Arguments are checked before anything changes, so the call does all of it or nothing.
+        ``remember=False``: the cells are dropped, not evicted — neither the sketch nor the rows keep them, and
+        no eviction round is counted (a full cache making room, :meth:`shift_down`)."""
         keep = np.asarray(keep, dtype=bool)
         n = len(self.cache)
         if keep.shape != (n,):
@@ -275,8 +283,8 @@ class Engine:
         if self._held is not None and len(gone):
             held, rest = self._held.split(gone)
         fresh = ~np.isin(gone, held.positions) if held is not None else np.ones(len(gone), dtype=bool)
-        keys = self.ctx.keys(self.SEQ, layers, gone[fresh]) if layers and fresh.any() else None
-        if self.rows is not None and len(gone):
+        keys = self.ctx.keys(self.SEQ, layers, gone[fresh]) if remember and layers and fresh.any() else None
+        if remember and self.rows is not None and len(gone):
             # a re-inserted cell's rows are already kept (put back from them) or were decoded over the evicted
             # cache (kept nowhere): only first evictions are stored, so the store holds rows as first computed
             first = ~np.isin(gone, self._reinserted)
@@ -297,7 +305,7 @@ class Engine:
         if held is not None and self.sketch is not None:
             self.sketch.put(held)
         self.cache.keep(keep)
-        if len(gone):
+        if len(gone) and remember:
             self.rounds += 1
         if cum_logpi is not None:
             self.cache.logpi = [float(x) for x in cum_logpi[keep]]
@@ -403,6 +411,7 @@ class Engine:
         self.ctx.clear()
         self.cache.clear()
         self.next_pos = 0
+        self.frame_offset = 0
         self._held = None
         self._reinserted = np.empty(0, np.int64)
         self.rounds = 0
@@ -550,6 +559,64 @@ class Engine:
         back = np.isin(np.asarray(self.cache.positions, dtype=np.int64), self._reinserted)
         if back.any():
             self.evict(~back)
+
+    def shift_down(self, first: int, delta: int) -> None:
+        """Move every live cell at position ≥ ``first`` down by ``delta``, its keys re-rotated there (llama.cpp's
+        K-shift), so a long chat's positions stay inside what the model was trained on. No live cell may lie in
+        [first − delta, first) (drop those first); the cells below keep their positions (the sinks stay at the
+        front) and the moved ones their distances to each other. A message whose span reaches into the vacated
+        positions loses its span. The keys of evicted cells (the sketch, the rows, re-inserted cells' held rows)
+        were rotated at their old positions and cannot follow yet: a cache holding any refuses (``ValueError``).
+        The shift is applied at once (the newest cell is decoded again), so every later read, snapshot or saved
+        state sees rotated keys."""
+        live = np.asarray(self.cache.positions, dtype=np.int64)
+        if delta <= 0 or first < delta or first > self.next_pos:
+            raise ValueError(f"cannot move positions from {first} down by {delta} (sequence end {self.next_pos})")
+        if np.any((live >= first - delta) & (live < first)):
+            raise ValueError(f"positions [{first - delta}, {first}) still hold live cells: drop them first")
+        if not np.any(live >= first):
+            raise ValueError(f"no live cell at or after position {first} to move")
+        kept = (self.sketch is not None and self.sketch.n_tokens) or (self.rows is not None and len(self.rows)) \
+            or len(self._reinserted)
+        if kept:
+            raise ValueError("the cache keeps evicted cells' keys at their positions (sketch or rows): a frame shift "
+                             "cannot carry them yet")
+        self.ctx.seq_add(self.SEQ, first, -1, -delta)
+        moved = live >= first
+        self.cache.positions = [int(p) for p in np.where(moved, live - delta, live)]
+        for segment, (a, b) in list(self.cache.spans.items()):
+            if a >= first:
+                self.cache.spans[segment] = (a - delta, b - delta)
+            elif b > first - delta:
+                del self.cache.spans[segment]
+        self.next_pos -= delta
+        self.frame_offset += delta
+        self._redecode_newest()
+
+    def _redecode_newest(self) -> None:
+        """Decode the newest cell again at its position: llama.cpp applies pending position shifts at a decode."""
+        pos, token = self.cache.positions[-1], self.cache.tokens[-1]
+        readout = self.readout
+        self.set_readout(False, readout[1])
+        try:
+            if not self.ctx.seq_rm(self.SEQ, pos, -1):
+                raise llama.LlamaError(f"could not take back position {pos}")
+            self.ctx.set_reinsert(True)
+            self.batch.set([token], [pos], self.SEQ, logits="last")
+            self.ctx.decode(self.batch)
+        finally:
+            self.ctx.set_reinsert(False)
+            self.set_readout(*readout)
+        self.ctx.set_bias(self.SEQ, np.asarray([pos], dtype=np.int32),
+                          np.asarray([0.0 if self.biases_lifted else -self.cache.logpi[-1]], dtype=np.float32))
+
+    def log_position(self, pos: int) -> int:
+        """The conversation's position (what the log keeps) of frame position ``pos`` fed since the last shift."""
+        return pos + self.frame_offset
+
+    def frame_position(self, logged: int) -> int:
+        """The frame position of the conversation's position ``logged`` (a message fed since the last shift)."""
+        return logged - self.frame_offset
 
     # -- decode ----------------------------------------------------------------------------
     def generate(

@@ -219,29 +219,45 @@ class Layout:
         return {f: p for p, f in self.probes.items()}
 
 
+def _spread(turns: int, count: int, lo: int, ok: Callable[[int], bool], taken: set[int], rng: random.Random,
+            hi: int | None = None) -> list[int]:
+    """``count`` free turns spread evenly over [lo, hi] (default: the last turn), each one ``ok`` accepts."""
+    hi = turns if hi is None else hi
+    slots = []
+    width = (hi - lo + 1) / count
+    for i in range(count):
+        want = lo + int((i + rng.random()) * width)
+        for d in sorted(range(-turns, turns + 1), key=abs):
+            s = want + d
+            if lo <= s <= hi and s not in taken and ok(s):
+                slots.append(s)
+                taken.add(s)
+                break
+        else:
+            raise LongchatError(f"no room left in {turns} turns for {count} probes or fillers")
+    return slots
+
+
+def _fillers(turns: int, n_fillers: int, probes: Sequence[int], taken: set[int], rng: random.Random) -> list[int]:
+    placed: set[int] = set()
+
+    def after_dialogue(s: int) -> bool:
+        # the turn before a filler is dialogue (what it asks about), and no filler follows a filler
+        if s - 1 in probes or s - 1 in placed or s + 1 in placed:
+            return False
+        placed.add(s)
+        return True
+
+    return _spread(turns, n_fillers, 2, after_dialogue, taken, rng)
+
+
 def layout(turns: int, n_probes: int, n_fillers: int, rng: random.Random) -> Layout:
     """Probes and fillers spread evenly; each probe's distance drawn on a log scale, 2 … ~0.8·turns."""
     if turns < 3 * (n_probes + n_fillers):
         raise LongchatError(f"{turns} turns are too few to spread {n_probes} probes and {n_fillers} fillers "
                             "through dialogue; ask for fewer --probes or a longer --history")
     taken: set[int] = set()
-
-    def spread(count: int, lo: int, ok: Callable[[int], bool]) -> list[int]:
-        slots = []
-        width = (turns - lo + 1) / count
-        for i in range(count):
-            want = lo + int((i + rng.random()) * width)
-            for d in sorted(range(-turns, turns + 1), key=abs):
-                s = want + d
-                if lo <= s <= turns and s not in taken and ok(s):
-                    slots.append(s)
-                    taken.add(s)
-                    break
-            else:
-                raise LongchatError(f"no room left in {turns} turns for {count} probes or fillers")
-        return slots
-
-    probes = spread(n_probes, max(MIN_DISTANCE + 1, turns // 25), lambda s: True)
+    probes = _spread(turns, n_probes, max(MIN_DISTANCE + 1, turns // 25), lambda s: True, taken, rng)
     top = max(MIN_DISTANCE + 1, int(0.8 * turns))
     distances = sorted((round(math.exp(math.log(MIN_DISTANCE) + (i + rng.random()) / n_probes
                                        * (math.log(top) - math.log(MIN_DISTANCE)))) for i in range(n_probes)),
@@ -261,16 +277,32 @@ def layout(turns: int, n_probes: int, n_fillers: int, rng: random.Random) -> Lay
                 break
         else:
             raise LongchatError(f"no free turn for the fact of the probe at turn {p}")
-    placed: set[int] = set()
+    fillers = _fillers(turns, n_fillers, probes, taken, rng)
+    return Layout(turns, dict(sorted(facts.items())), frozenset(fillers))
 
-    def after_dialogue(s: int) -> bool:
-        # the turn before a filler is dialogue (what it asks about), and no filler follows a filler
-        if s - 1 in probes or s - 1 in placed or s + 1 in placed:
-            return False
-        placed.add(s)
-        return True
 
-    fillers = spread(n_fillers, 2, after_dialogue)
+def layout_beyond(turns: int, n_probes: int, n_fillers: int, mark: int, rng: random.Random) -> Layout:
+    """For a chat longer than the model's trained context, which spans about ``mark`` turns: every probe after the
+    first ``mark`` turns (spread over the last two thirds of what follows them); half of their facts older than
+    the trained context when asked about (more than ``mark`` turns, and a margin, before their probe), which a
+    cache cut to that context cannot hold, half within it."""
+    if turns < 3 * (n_probes + n_fillers) or not 10 <= mark < turns - 3 * n_probes:
+        raise LongchatError(f"{turns} turns with the trained context's end at turn {mark} leave no room for "
+                            f"{n_probes} probes after it; ask for fewer --probes or a longer --history")
+    taken: set[int] = set()
+    lo = mark + (turns - mark) // 3
+    probes = _spread(turns, n_probes, lo, lambda s: True, taken, rng)
+    older = set(rng.sample(sorted(probes), n_probes // 2))
+    facts: dict[int, int] = {}
+    for p in sorted(probes, key=lambda p: (p not in older, p)):
+        margin = max(3, turns // 50)
+        first, last = (2, p - mark - margin) if p in older else (max(2, p - mark + margin), p - MIN_DISTANCE)
+        free = [f for f in range(first, last + 1) if f not in taken]
+        if not free:
+            raise LongchatError(f"no free turn for the fact of the probe at turn {p}")
+        facts[p] = rng.choice(free)
+        taken.add(facts[p])
+    fillers = _fillers(turns, n_fillers, probes, taken, rng)
     return Layout(turns, dict(sorted(facts.items())), frozenset(fillers))
 
 
@@ -312,11 +344,12 @@ def _probe_text(fact: Fact, paraphrased: bool, rng: random.Random) -> str:
 
 
 def _assemble(seed: int, target: int, exchanges: list[Exchange], n_dialogue: int, n_probes: int,
-              name: str) -> Script:
+              name: str, beyond: int = 0) -> Script:
     rng = random.Random(f"longchat-{seed}-{n_dialogue}-{n_probes}")
     used = exchanges[:n_dialogue]
     turns = n_dialogue + 2 * n_probes
-    plan = layout(turns, n_probes, n_probes, rng)
+    plan = (layout_beyond(turns, n_probes, n_probes, max(10, turns * beyond // target), rng) if 0 < beyond < target
+            else layout(turns, n_probes, n_probes, rng))
     seen = " ".join(f"{e.user} {e.assistant}" for e in used).casefold()
     # a fact whose answer the dialogue already says would be recalled from the wrong place
     pool = [f for f in FACTS if not any(e.casefold() in seen for e in f.expect)]
@@ -352,6 +385,7 @@ def _assemble(seed: int, target: int, exchanges: list[Exchange], n_dialogue: int
             steps.append(Step(turn, user, lineno, ex.assistant))
             previous = ex.assistant
     meta = {"generator": "agent.lab.replay.longchat", "seed": seed, "target_tokens": target,
+            **({"beyond": beyond} if 0 < beyond < target else {}),
             "question_fillers": sorted(plan.fillers), "sources": sorted({e.source for e in used},
                                                                          key=lambda s: (s.split(":")[0],
                                                                                         int(s.split(":")[1])))}
@@ -359,8 +393,10 @@ def _assemble(seed: int, target: int, exchanges: list[Exchange], n_dialogue: int
 
 
 def generate(seed: int, target: int, counter: TokenCounter, files: Sequence[Path] | None = None,
-             probes: int | None = None) -> Script:
-    """The script of ``seed`` whose history is about ``target`` tokens under ``counter``."""
+             probes: int | None = None, beyond: int = 0) -> Script:
+    """The script of ``seed`` whose history is about ``target`` tokens under ``counter``. ``beyond``: the model's
+    trained context, when ``target`` runs past it (:func:`layout_beyond`: the probes after it, half their facts
+    before it); each step's token offset is then in ``meta["turn_tokens"]``."""
     n_probes = default_probes(target) if probes is None else probes
     if not 1 <= n_probes <= len(FACTS):
         raise LongchatError(f"--probes: between 1 and {len(FACTS)} (the fact pool), got {n_probes}")
@@ -374,7 +410,7 @@ def generate(seed: int, target: int, counter: TokenCounter, files: Sequence[Path
     name = f"longchat-{size_label(target)}-seed{seed:02d}"
 
     def total(n: int) -> int:
-        s = _assemble(seed, target, exchanges, n, n_probes, name)
+        s = _assemble(seed, target, exchanges, n, n_probes, name, beyond)
         contents = [c for st in s.steps for c in (st.user, st.assistant or "")]
         return counter.approx(s.system, contents)
 
@@ -394,8 +430,14 @@ def generate(seed: int, target: int, counter: TokenCounter, files: Sequence[Path
     if n >= len(exchanges) and total(n) < 0.95 * target:
         raise LongchatError(f"the LoCoMo dialogue holds about {total(n)} tokens, short of {target}; "
                             "pass more --locomo files or a smaller --history")
-    script = _assemble(seed, target, exchanges, n, n_probes, name)
+    script = _assemble(seed, target, exchanges, n, n_probes, name, beyond)
     script.meta["tokens"] = counter.history(script)
+    if script.meta.get("beyond"):
+        at, offsets = counter.approx(script.system, []), []
+        for st in script.steps:
+            offsets.append(at)
+            at += counter.approx(None, [st.user, st.assistant or ""])
+        script.meta["turn_tokens"] = offsets
     return script
 
 

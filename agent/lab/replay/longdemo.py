@@ -28,7 +28,7 @@ from agent.config import Config
 from agent.lab.replay import aggregate, report
 from agent.lab.replay.batch import Settings, results_path
 from agent.lab.replay.rank_stats import paired_difference
-from agent.lab.replay.runner import Job, RunError, Runner, default_store_path, plan_jobs, shard, unique_names
+from agent.lab.replay.runner import Job, Runner, default_store_path, plan_jobs, shard, unique_names
 from agent.lab.replay.script import Script, Step
 
 POLICIES = "full,topk,poisson,poisson+gate"
@@ -57,7 +57,8 @@ def _identity(name_or_path: str) -> tuple[Path, str, str]:
 
 
 def context_for(scripts: list[Script], model_path: Path, max_tokens: int) -> int:
-    """KV cells for the longest script's whole history under this model's template, plus one answer."""
+    """KV cells for the longest script's whole history under this model's template, plus one answer; at most the
+    model's trained context."""
     from agent.lab.replay.longchat import TokenCounter  # noqa: PLC0415
 
     counter = TokenCounter(model_path)
@@ -74,9 +75,8 @@ def context_for(scripts: list[Script], model_path: Path, max_tokens: int) -> int
         counter.close()
     n_ctx = ((need + max_tokens + 256 + 255) // 256) * 256
     if trained and n_ctx > trained:
-        if need + max_tokens + 16 > trained:
-            raise RunError(f"the longest script needs about {need} tokens of context but the model was trained "
-                           f"for {trained}; use a smaller --history")
+        # past the trained context the full cache shifts its context (the oldest half dropped, as llama.cpp's
+        # does); evicting policies keep their budget, their positions running on
         n_ctx = trained
     return max(1024, n_ctx)
 
@@ -144,6 +144,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
             record["turn_wall_s"] = [b - a for a, b in zip(marks, marks[1:])]
             record["rss_bytes"] = clock["rss"]
             record["rss_start_bytes"] = start_rss
+            record.update(fact_ages(script))
             runs.append(record)
             col = _column([record])
             if settings.progress:
@@ -158,6 +159,24 @@ def run(scripts: list[Script], settings: Settings, base: Config,
 
 
 # -- the side-by-side table ------------------------------------------------------------------------
+def fact_ages(script: Script) -> dict[str, Any]:
+    """For a script past the model's trained context (``meta["beyond"]``): each probe's fact's age in tokens when
+    asked about (``fact_age_tokens``, by turn) and that context (``beyond``); else nothing."""
+    offsets, beyond = script.meta.get("turn_tokens"), script.meta.get("beyond")
+    if not offsets or not beyond:
+        return {}
+    ages = {str(st.turn): int(offsets[st.turn - 1] - offsets[st.probe.fact_turn - 1]) for st in script.steps
+            if st.probe is not None and st.probe.fact_turn is not None and st.turn <= len(offsets)}
+    return {"beyond": int(beyond), "fact_age_tokens": ages}
+
+
+def _age(run: dict[str, Any], turn: int) -> str | None:
+    age = run.get("fact_age_tokens", {}).get(str(turn))
+    if age is None:
+        return None
+    return f"older than {run['beyond']:,} tokens" if age > run["beyond"] else f"within {run['beyond']:,} tokens"
+
+
 def _rate(flags: list[bool]) -> float | None:
     return sum(flags) / len(flags) if flags else None
 
@@ -199,6 +218,12 @@ def _column(members: list[dict[str, Any]]) -> dict[str, Any]:
                if s["kind"] == "probe" and s.get("correct") is not None}
     by_distance: dict[str, list[bool]] = defaultdict(list)
     by_category: dict[str, list[bool]] = defaultdict(list)
+    by_age: dict[str, list[bool]] = defaultdict(list)
+    for run in members:
+        for st in run["steps"]:
+            age = _age(run, st["turn"]) if st["kind"] == "probe" and st.get("correct") is not None else None
+            if age is not None:
+                by_age[age].append(bool(st["correct"]))
     for p in scored:
         if p.get("distance") is not None:
             by_distance[_bucket(p["distance"])].append(bool(p["correct"]))
@@ -214,6 +239,7 @@ def _column(members: list[dict[str, Any]]) -> dict[str, Any]:
         "recall": _rate([bool(p["correct"]) for p in scored]),
         "recall_by_distance": {k: (sum(v), len(v)) for k, v in by_distance.items()},
         "recall_by_category": {k: (sum(v), len(v)) for k, v in by_category.items()},
+        "recall_by_age": {k: (sum(v), len(v)) for k, v in sorted(by_age.items(), reverse=True)},
         "gate_probes": _rate([bool(s["gate_fired"]) for s in probes]),
         "gate_qfillers": _rate([bool(s["gate_fired"]) for s in qfill]),
         "gate_other": _rate([bool(s["gate_fired"]) for s in other]),
@@ -325,6 +351,7 @@ def table(doc: dict[str, Any], footer: bool = True) -> str:
     head = [_heading(c) for c in cols]
     buckets = [_bucket(lo) for lo, _ in DISTANCE_BUCKETS]
     cats = sorted({k for c in cols for k in c["recall_by_category"]})
+    ages = sorted({k for c in cols for k in c.get("recall_by_age", {})}, reverse=True)
     body: list[tuple[str, list[str]]] = [
         ("recall", [_frac((c["n_correct"], c["n_probes"])) for c in cols]),
         ("paired with full: both / full only / this only / neither", [_paired_words(full, c)[0] for c in cols]),
@@ -332,6 +359,7 @@ def table(doc: dict[str, Any], footer: bool = True) -> str:
         *[(f"recall, distance {b}", [_frac(c["recall_by_distance"].get(b)) for c in cols]) for b in buckets
           if any(b in c["recall_by_distance"] for c in cols)],
         *[(f"recall, {k} probes", [_frac(c["recall_by_category"].get(k)) for c in cols]) for k in cats],
+        *[(f"recall, facts {k}", [_frac(c["recall_by_age"].get(k)) for c in cols]) for k in ages],
         ("gate rate: probes / question fillers / other turns",
          [f"{_pct(c['gate_probes'])} / {_pct(c['gate_qfillers'])} / {_pct(c['gate_other'])}" for c in cols]),
         ("tokens re-read (re-prefilled)", [_num(c["reprefill_tokens"]) for c in cols]),

@@ -187,7 +187,8 @@ class _Watch:
 
 def estimate_n_ctx(scripts: list[Script], count_tokens: Callable[[str], int], max_tokens: int,
                    system_prompt: str, n_ctx_train: int) -> int:
-    """KV cells for the longest script's full history (a gate re-prefill needs all of it)."""
+    """KV cells for the longest script's full history (a gate re-prefill needs all of it), at most the model's
+    trained context."""
     need = 0
     for s in scripts:
         system = s.system if s.system is not None else system_prompt
@@ -201,8 +202,9 @@ def estimate_n_ctx(scripts: list[Script], count_tokens: Callable[[str], int], ma
     n_ctx = need + max_tokens + 512
     n_ctx = ((n_ctx + 255) // 256) * 256
     if n_ctx_train > 0 and n_ctx > n_ctx_train:
-        raise RunError(f"the longest script needs about {need} tokens of context but the model was trained for "
-                       f"{n_ctx_train}; shorten the script (e.g. --max-sessions for LoCoMo)")
+        # a longer history runs past the trained context: the full cache shifts its context (the oldest half
+        # dropped), evicting policies keep their budget
+        return n_ctx_train
     return max(1024, n_ctx)
 
 
