@@ -186,6 +186,37 @@ def test_layout_invariants_over_many_seeds() -> None:
         assert all(f - 1 not in plan.probes and f - 1 not in plan.fillers for f in plan.fillers)
 
 
+def test_a_layout_past_the_trained_context_asks_after_it_about_facts_older_and_younger_than_it() -> None:
+    for seed in range(20):
+        rng = random.Random(seed)
+        turns = rng.randrange(400, 900)
+        mark = int(turns * rng.uniform(0.5, 0.7))
+        k = rng.randrange(4, 31)
+        plan = longchat.layout_beyond(turns, k, k, mark, rng)
+        margin = max(3, turns // 50)
+        assert len(plan.probes) == k and len(plan.fillers) == k
+        assert all(p > mark for p in plan.probes)
+        older = [p for p, f in plan.probes.items() if p - f > mark]
+        assert len(older) == k // 2 and all(p - f >= mark + margin for p, f in plan.probes.items() if p in older)
+        assert all(p - f <= mark - margin for p, f in plan.probes.items() if p not in older)
+        facts = set(plan.probes.values())
+        assert len(facts) == k and not facts & set(plan.probes) and not facts & plan.fillers
+    with pytest.raises(longchat.LongchatError, match="no room"):
+        longchat.layout_beyond(100, 30, 30, 60, random.Random(0))
+
+
+@needs_locomo
+def test_a_script_past_the_trained_context_records_each_fact_age(counter: longchat.TokenCounter) -> None:
+    from agent.lab.replay.longdemo import fact_ages
+
+    s = longchat.generate(5, 8000, counter, probes=6, beyond=5000)
+    assert s.meta["beyond"] == 5000 and len(s.meta["turn_tokens"]) == len(s.steps)
+    assert s.meta["turn_tokens"] == sorted(s.meta["turn_tokens"])
+    ages = fact_ages(s)["fact_age_tokens"]
+    assert len(ages) == 6 and sum(a > 5000 for a in ages.values()) == 3
+    assert fact_ages(longchat.generate(5, 8000, counter, probes=6)) == {}
+
+
 @needs_locomo
 def test_make_long_cli_prints_token_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli(["replay", "make-long", "--history", "3k,5500", "--seed", "2", "--probes", "4",
