@@ -159,6 +159,11 @@ class Config:
     """Also read the certificate at every answer step (the answer.* statistics; replays turn it on). Off, the
     certificate is computed for the question window only, and answer decoding runs at full speed; an answer.*
     gate_stat turns it on regardless."""
+    frame_shift: bool = True
+    """Keep an evicting chat's positions inside the model's trained context: when the next turn would run past it,
+    the cache's positions move down (the sinks stay at the front, the oldest kept cells are packed behind them, the
+    recent history keeps its distances; RoPE keys re-rotated by llama.cpp) and the status line says so. Messages
+    packed away are re-read at fresh positions when the gate points at them. false: positions run on past it."""
     saved_states_mb: int = 2048
     """Disk budget, in MiB, for saved chat states: after every turn the evicted cache and what describes it are
     saved beside the log, so that reopening the chat (the TUI's list, ``ask --conversation``) resumes it instead of

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from native import patched, runtime
+from native import patched, rope, runtime
 
 log = logging.getLogger("certchat.llama")
 
@@ -168,6 +168,28 @@ class Model:
             buf = ctypes.create_string_buffer(n + 1)
             self._lib.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
+
+    def rope(self) -> "rope.RopeSpec | None":
+        """How the model rotates its full-attention layers' query and key rows; None where certchat cannot rotate
+        them itself (no RoPE, M-RoPE, or a scaling such as YaRN that changes each dimension differently)."""
+        kind = int(self._lib.llama_model_rope_type(self.handle))
+        if kind not in (rope.NORM, rope.NEOX):
+            return None
+        arch = self.meta("general.architecture") or ""
+        scaling = (self.meta(f"{arch}.rope.scaling.type") or "none").lower()
+        if scaling not in ("none", "linear"):
+            return None
+        info = self.info()
+        head_dim = info.n_embd // max(1, info.n_head)
+        key_len = self.meta(f"{arch}.attention.key_length")
+        head_dim = int(key_len) if key_len and key_len.isdigit() else head_dim
+        n_rot = self.meta(f"{arch}.rope.dimension_count")
+        base = self.meta(f"{arch}.rope.freq_base")
+        try:
+            return rope.RopeSpec(kind, int(n_rot) if n_rot else head_dim, float(base) if base else 10000.0,
+                                 float(self._lib.llama_model_rope_freq_scale_train(self.handle)) or 1.0)
+        except ValueError:
+            return None
 
     def eviction_unsupported(self) -> str | None:
         """Why certchat's patched cache cannot serve this model (one line naming it and what to use instead),

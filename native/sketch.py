@@ -31,6 +31,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from native import runtime
+from native.rope import RopeSpec, rotate
 
 BITS = (32, 8, 4)
 """Storage widths: F32 rows (exact), int8, int4 (both with a half scale per row and KV head)."""
@@ -304,10 +305,16 @@ class SketchRows:
     """[n_layers, n, n_kv_head]"""
     positions: NDArray[np.int32]
     messages: NDArray[np.int32]
+    lags: NDArray[np.int32] | None = None
+    """How far the cache's positions moved down since each row's key was rotated (None: not at all)."""
 
     @property
     def n_tokens(self) -> int:
         return len(self.positions)
+
+    @property
+    def lag_array(self) -> NDArray[np.int32]:
+        return np.zeros(len(self.positions), np.int32) if self.lags is None else self.lags
 
     def split(self, positions: ArrayLike) -> tuple["SketchRows", "SketchRows"]:
         """(the rows of ``positions``, the rest)."""
@@ -315,14 +322,21 @@ class SketchRows:
         return self._subset(hit), self._subset(~hit)
 
     def _subset(self, mask: NDArray[np.bool_]) -> "SketchRows":
-        return SketchRows(self.codes[:, mask], self.scales[:, mask], self.positions[mask], self.messages[mask])
+        return SketchRows(self.codes[:, mask], self.scales[:, mask], self.positions[mask], self.messages[mask],
+                          None if self.lags is None else self.lags[mask])
+
+    def shifted(self, positions: NDArray[np.int32], delta: int) -> "SketchRows":
+        """These rows at new ``positions``, their keys rotated ``delta`` positions further than the new ones say."""
+        return SketchRows(self.codes, self.scales, np.asarray(positions, np.int32), self.messages,
+                          (self.lag_array + delta).astype(np.int32))
 
     @staticmethod
     def join(a: "SketchRows | None", b: "SketchRows") -> "SketchRows":
         if a is None or not a.n_tokens:
             return b
+        lags = None if a.lags is None and b.lags is None else np.concatenate([a.lag_array, b.lag_array])
         return SketchRows(np.concatenate([a.codes, b.codes], axis=1), np.concatenate([a.scales, b.scales], axis=1),
-                          np.concatenate([a.positions, b.positions]), np.concatenate([a.messages, b.messages]))
+                          np.concatenate([a.positions, b.positions]), np.concatenate([a.messages, b.messages]), lags)
 
 
 @dataclass
@@ -337,6 +351,8 @@ class EvictedKeySketch:
     """Quantise k / c with c the per-channel max |k| of the first round (per layer; kept until ``clear``)."""
     threads: int = 0
     """Threads for quantisation and scoring (the engine passes its own count; 0: all the hardware's)."""
+    rope: RopeSpec | None = None
+    """How the model rotates query rows, for scoring keys rotated before a frame shift (:meth:`shift`)."""
     timing: SketchTiming = field(default_factory=SketchTiming, repr=False)
     _channel: NDArray[np.float32] | None = field(default=None, repr=False)
     # Buffers with room to grow (doubling), so a round appends in place and scoring reads each layer's rows
@@ -345,6 +361,7 @@ class EvictedKeySketch:
     _scales: NDArray[np.uint16] | None = field(default=None, repr=False)
     _positions: NDArray[np.int32] = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
     _messages: NDArray[np.int32] = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
+    _lags: NDArray[np.int32] = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
     _n: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
@@ -399,12 +416,15 @@ class EvictedKeySketch:
         scales = np.empty((len(self.layers), capacity, self.n_kv_head), np.uint16)
         positions = np.empty(capacity, np.int32)
         messages = np.empty(capacity, np.int32)
+        lags = np.zeros(capacity, np.int32)
         if self._codes is not None and self._scales is not None:
             codes[:, :self._n] = self._codes[:, :self._n]
             scales[:, :self._n] = self._scales[:, :self._n]
         positions[:self._n] = self._positions[:self._n]
         messages[:self._n] = self._messages[:self._n]
+        lags[:self._n] = self._lags[:self._n]
         self._codes, self._scales, self._positions, self._messages = codes, scales, positions, messages
+        self._lags = lags
 
     def append(self, positions: ArrayLike, messages: ArrayLike, keys: ArrayLike) -> None:
         """Add one eviction round: positions [n], message index per position [n], keys [n_layers, n, width].
@@ -435,6 +455,7 @@ class EvictedKeySketch:
             int(self.threads)))
         self._positions[n0:n0 + m] = pos
         self._messages[n0:n0 + m] = msg
+        self._lags[n0:n0 + m] = 0
         self._n = n0 + m
         self.timing.append_ms += (time.perf_counter() - start) * 1000.0
         self.timing.append_rounds += 1
@@ -449,7 +470,25 @@ class EvictedKeySketch:
         self._codes = self._scales = None
         self._positions = np.empty(0, np.int32)
         self._messages = np.empty(0, np.int32)
+        self._lags = np.empty(0, np.int32)
         self._n = 0
+
+    def shift(self, positions: ArrayLike, delta: int) -> None:
+        """The cache's positions moved down by ``delta``: every stored row now has the new position in
+        ``positions`` (one per row, in stored order) and its key, rotated where it was evicted, lies ``delta``
+        further than that (:meth:`score` rotates the question's rows to match)."""
+        pos = np.asarray(positions, dtype=np.int32).reshape(-1)
+        if pos.shape != (self._n,):
+            raise SketchError(f"shift: {pos.shape[0]} positions for {self._n} stored rows")
+        if self._n and delta and self.rope is None:
+            raise SketchError("shift: this sketch does not know the model's RoPE and cannot follow a frame shift")
+        self._positions[:self._n] = pos
+        self._lags[:self._n] += int(delta)
+
+    @property
+    def lags(self) -> NDArray[np.int32]:
+        """[n] how far the cache's positions moved since each stored key was rotated."""
+        return self._lags[:self._n].copy()
 
     def drop(self, positions: ArrayLike) -> None:
         """Forget these positions (they are back in the cache, e.g. after a partial re-read)."""
@@ -462,6 +501,7 @@ class EvictedKeySketch:
         self._scales[:, :m] = self._scales[:, :n][:, keep]
         self._positions[:m] = self._positions[:n][keep]
         self._messages[:m] = self._messages[:n][keep]
+        self._lags[:m] = self._lags[:n][keep]
         self._n = m
 
     def take(self, positions: ArrayLike) -> SketchRows:
@@ -474,7 +514,7 @@ class EvictedKeySketch:
                               np.empty(0, np.int32), np.empty(0, np.int32))
         hit = np.isin(self._positions[:n], np.asarray(positions, dtype=np.int32))
         rows = SketchRows(self._codes[:, :n][:, hit].copy(), self._scales[:, :n][:, hit].copy(),
-                          self._positions[:n][hit].copy(), self._messages[:n][hit].copy())
+                          self._positions[:n][hit].copy(), self._messages[:n][hit].copy(), self._lags[:n][hit].copy())
         self.drop(rows.positions)
         return rows
 
@@ -493,6 +533,7 @@ class EvictedKeySketch:
         self._scales[:, n0:n0 + m] = rows.scales
         self._positions[n0:n0 + m] = rows.positions
         self._messages[n0:n0 + m] = rows.messages
+        self._lags[n0:n0 + m] = rows.lag_array
         self._n = n0 + m
 
     def rows(self) -> SketchRows:
@@ -502,14 +543,15 @@ class EvictedKeySketch:
             return self.take(np.empty(0, np.int32))
         n = self._n
         return SketchRows(self._codes[:, :n].copy(), self._scales[:, :n].copy(), self._positions[:n].copy(),
-                          self._messages[:n].copy())
+                          self._messages[:n].copy(), self._lags[:n].copy())
 
     @classmethod
     def from_rows(cls, layers: Sequence[int], n_kv_head: int, head_dim: int, bits: int, channel_norm: bool,
-                  channel: NDArray[np.float32] | None, rows: SketchRows, threads: int = 0) -> "EvictedKeySketch":
+                  channel: NDArray[np.float32] | None, rows: SketchRows, threads: int = 0,
+                  rope: RopeSpec | None = None) -> "EvictedKeySketch":
         """A sketch holding ``rows`` on the channel scales ``channel`` (what :meth:`rows` and
         :attr:`channel_scale` returned), so it scores and appends as the one they came from."""
-        sketch = cls(tuple(layers), n_kv_head, head_dim, bits, channel_norm=channel_norm, threads=threads)
+        sketch = cls(tuple(layers), n_kv_head, head_dim, bits, channel_norm=channel_norm, threads=threads, rope=rope)
         if channel is not None:
             width = n_kv_head * head_dim
             channel = np.ascontiguousarray(channel, dtype=np.float32)
@@ -544,9 +586,17 @@ class EvictedKeySketch:
         if self._codes is None or self._scales is None or n == 0:
             out = np.zeros((len(self.layers), n_head, n), dtype=np.float32)
         else:
-            out = score_layers(self._codes, self._scales, n, self.n_kv_head, self.head_dim, self.bits, q[idx],
-                               np.asarray(queries.lse)[idx], np.asarray(queries.kq_scale)[idx], renormalise,
-                               self._channel, self.threads)
+            lags = self._lags[:n]
+            out = np.empty((len(self.layers), n_head, n), dtype=np.float32)
+            for lag in np.unique(lags):
+                # a key rotated `lag` positions before the frame moved is scored at its true distance by the
+                # question's rows rotated as far (RoPE depends on the difference of positions only)
+                rows = q[idx] if lag == 0 or self.rope is None else rotate(q[idx], self.head_dim, self.rope, int(lag))
+                part = score_layers(self._codes, self._scales, n, self.n_kv_head, self.head_dim, self.bits, rows,
+                                    np.asarray(queries.lse)[idx], np.asarray(queries.kq_scale)[idx], renormalise,
+                                    self._channel, self.threads)
+                hit = lags == lag
+                out[:, :, hit] = part[:, :, hit]
         self.timing.score_ms += (time.perf_counter() - start) * 1000.0
         self.timing.score_calls += 1
         return SketchScore(layers=np.asarray(self.layers, dtype=np.int32), positions=pos, messages=msg, per_head=out)

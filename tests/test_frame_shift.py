@@ -6,6 +6,7 @@ its positions stay under the context size and the log keeps the conversation's o
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from agent.chat.session import ChatSession
 from agent.config import Config
 from agent.llm.engine import Engine, EngineSettings
 from memory_store.store import Store
+from native import rope
 
 TEXT = ("You are a helpful assistant. My gym locker code is 4172 and my cat is called Purrnickel, born in Tromsø. "
         "Tell me something about the sea, the mountains and the long rivers of Europe.")
@@ -123,6 +125,173 @@ def test_a_full_cache_out_of_cells_shifts_its_context_and_the_log_keeps_the_true
         n = 20
         assert engine.cache.tokens[-n:] == [int(t) for t in tokens[-n:]]
         assert [p + engine.frame_offset for p in engine.cache.positions[-n:]] == [int(p) for p in positions[-n:]]
+        session.close()
+    finally:
+        engine.close()
+
+
+# -- an evicting cache's frame shift -----------------------------------------------------------------------------
+SYSTEM = "You are a helpful assistant. Answer concisely. "
+OLD = " My gym locker code is 4172 and I keep my bike in the blue shed behind the old mill."
+MIDDLE = " My cat is called Purrnickel and she was born in Tromsø, far in the north of Norway."
+LATER = " Tell me something about the sea, the mountains and the long rivers of Europe, please."
+ASK = " What is my cat called, and where was she born?"
+SKETCH = (3, 11)
+
+
+def _history(engine: Engine, start: int) -> dict[int, tuple[int, int]]:
+    """Four sinks (0), then OLD (1), MIDDLE (2), LATER (3) fed from ``start``; OLD evicted whole, half of MIDDLE
+    evicted (into the sketch). Returns the spans."""
+    engine.reset()
+    engine.set_sketch(SKETCH, 8, 8)
+    engine.set_readout(True, 8)
+    engine.feed(_tok(engine, SYSTEM)[:4], segment=0)
+    engine.next_pos = start
+    for segment, text in enumerate((OLD, MIDDLE, LATER), start=1):
+        engine.feed(_tok(engine, text), segment=segment)
+    segs = np.asarray(engine.cache.segments)
+    gone = (segs == 1) | ((segs == 2) & (np.arange(len(segs)) % 2 == 0))
+    engine.evict(~gone)
+    return dict(engine.cache.spans)
+
+
+def _ask(engine: Engine) -> tuple[np.ndarray, dict[int, float]]:
+    engine.feed(_tok(engine, ASK), segment=4)
+    assert engine.sketch is not None
+    ids, mass = engine.sketch.score(engine.read_queries()).per_message()
+    return engine.ctx.logits(), {int(i): float(m) for i, m in zip(ids, mass.sum(axis=0))}
+
+
+@pytest.fixture(scope="module")
+def evicting(small_model: Path):
+    settings = EngineSettings(model_path=small_model, n_ctx=1024, n_batch=64, threads=2)
+    a, b = Engine(settings), Engine(settings)
+    yield a, b
+    a.set_readout(False, 8)
+    b.set_readout(False, 8)
+    a.close()
+    b.close()
+
+
+def test_the_sketch_reads_every_evicted_message_the_same_before_and_after_a_frame_shift(evicting) -> None:
+    engine, unshifted = evicting
+    spans = _history(unshifted, 300)
+    logits_before, before = _ask(unshifted)
+    asked = unshifted.read_queries()
+
+    _history(engine, 300)
+    shift = engine.shift_frame(4, spans[2][0])
+    assert shift.packed == 0 and shift.delta == spans[2][0] - 4 and shift.homeless == (1,)
+    assert engine.homeless == {1} and 1 not in engine.cache.spans
+    assert engine.cache.spans[2] == (spans[2][0] - shift.delta, spans[2][1] - shift.delta)
+    assert engine.cache.positions[:4] == [0, 1, 2, 3] and engine.frame_offset == shift.delta
+    sketch = engine.sketch
+    assert sketch is not None and set(sketch.lags) == {shift.delta}
+    assert sketch.positions[sketch.messages == 1].max() < 0  # packed away: no place left
+
+    # The same question rows, asked where the question now lands (delta positions lower): every evicted message
+    # reads what it read before the shift, to rounding.
+    moved = dataclasses.replace(asked, q=rope.rotate(np.asarray(asked.q), sketch.head_dim, engine.rope, -shift.delta))
+    ids, mass = sketch.score(moved).per_message()
+    after = {int(i): float(m) for i, m in zip(ids, mass.sum(axis=0))}
+    assert set(after) == set(before) == {1, 2}
+    for message in before:
+        assert after[message] == pytest.approx(before[message], rel=1e-5), message
+    # without the rotation the keys are read where they now lie: other masses, which the test would see
+    lags = sketch.lags
+    sketch._lags[: sketch.n_tokens] = 0
+    ids, wrong = sketch.score(moved).per_message()
+    misread = {int(i): float(m) for i, m in zip(ids, wrong.sum(axis=0))}
+    assert max(abs(misread[m] - before[m]) / before[m] for m in before) > 0.03
+    sketch._lags[: sketch.n_tokens] = lags
+
+    # Asked for real after the shift, the question sees the sinks nearer than before (that is the shift's point),
+    # so its own rows change a little; the readings keep their order and stay close.
+    logits_after, real = _ask(engine)
+    assert max(real, key=real.get) == max(before, key=before.get)
+    for message in before:
+        assert real[message] == pytest.approx(before[message], rel=0.3), message
+    assert int(np.argmax(logits_after)) == int(np.argmax(logits_before))
+
+
+def test_after_a_frame_shift_a_reread_lands_where_its_message_belongs(evicting) -> None:
+    engine, unshifted = evicting
+    spans = _history(unshifted, 300)
+    runs = unshifted.evicted_runs(2)
+    middle = _tok(unshifted, MIDDLE)
+    for p0, p1 in runs:
+        unshifted.reinsert(middle[p0 - spans[2][0]:p1 - spans[2][0]], p0, 2)
+    logits_unshifted, _ = _ask(unshifted)
+
+    _history(engine, 300)
+    shift = engine.shift_frame(4, spans[2][0])
+    moved = engine.evicted_runs(2)
+    assert moved == [(p0 - shift.delta, p1 - shift.delta) for p0, p1 in runs]
+    first = engine.cache.spans[2][0]
+    for p0, p1 in moved:
+        engine.reinsert(middle[p0 - first:p1 - first], p0, 2)
+    assert engine.evicted_runs(2) == []
+    segs = np.asarray(engine.cache.segments)
+    assert [engine.cache.tokens[i] for i in np.flatnonzero(segs == 2)] == middle
+    logits_shifted, _ = _ask(engine)
+    # the same cells at the same distances from each other, only the sinks nearer
+    spread = float(logits_unshifted.max() - logits_unshifted.min())
+    assert float(np.abs(logits_shifted - logits_unshifted).max()) < 0.1 * spread
+    assert int(np.argmax(logits_shifted)) == int(np.argmax(logits_unshifted))
+
+    # a message the shift left without a place comes back at fresh positions for the turn, and leaves no trace
+    assert engine.sketch is not None
+    stored = int((engine.sketch.messages == 1).sum())
+    back = sum(p1 - p0 for p0, p1 in moved)  # MIDDLE's re-inserted cells, whose rows go back as first evicted
+    total = engine.sketch.n_tokens + back
+    engine.truncate(engine.next_pos - len(_tok(engine, ASK)))
+    start = engine.next_pos
+    old = _tok(engine, OLD)
+    engine.feed_transient(old, 1)
+    assert engine.cache.positions[-len(old):] == list(range(start, start + len(old))) and 1 not in engine.cache.spans
+    engine.feed(_tok(engine, ASK), segment=4)  # the question again, on top
+    engine.evict_reinserted()
+    assert 1 not in engine.cache.segments
+    assert int((engine.sketch.messages == 1).sum()) == stored and engine.sketch.n_tokens == total
+
+
+FACTS = ["My locker code is 4172, remember it.", "My cat is called Purrnickel.", "I go sailing on Lake Constance.",
+         "The team meeting moved to Thursday at nine.", "My sister lives in Porto and teaches maths."]
+QUESTIONS = ["What is my locker code?", "What is my cat called?", "Where do I go sailing?", "When is the meeting?"]
+
+
+@pytest.mark.parametrize("gate", ["off", "0"])
+def test_an_evicting_chat_past_the_trained_context_moves_its_frame_and_goes_on(small_model: Path, tmp_path: Path,
+                                                                              gate: str) -> None:
+    """The model's trained context made short (400 positions) so that a few turns run past it: the frame moves
+    down before they would, the sinks stay, the log keeps the conversation's positions; with the gate at τ = 0
+    every turn re-reads, messages packed away come back at fresh positions, and the chat goes on."""
+    engine = Engine(EngineSettings(model_path=small_model, n_ctx=1024, n_batch=256, threads=2))
+    engine.info = dataclasses.replace(engine.info, n_ctx_train=400)
+    try:
+        config = Config(model="smollm2-135m", n_ctx=1024, n_batch=256, policy="poisson", budget="96", gate=gate,
+                        max_tokens=16, temperature=0.0, seed=0, evict_from=0, evicted_rows_mb=0, reread_budget=48)
+        session = ChatSession(config, Store(tmp_path / "log.db"), engine, "smollm2-135m")
+        notices: list[str] = []
+
+        def hear(event: ev.Event) -> None:
+            if isinstance(event, ev.Notice):
+                notices.append(event.text)
+
+        results = [session.send(text, hear) for text in [*FACTS, *FACTS[::-1], *QUESTIONS]]
+        shifts = [n for n in notices if "trained context" in n]
+        assert shifts, notices
+        assert engine.frame_offset > 0 and engine.next_pos <= 400
+        assert engine.cache.positions[:4] == [0, 1, 2, 3]
+        assert session.memory_view().frame_offset == engine.frame_offset
+        tokens, positions = session.store.history(session.conversation_id).flatten()
+        assert positions[-1] > 400 and np.all(np.diff(positions) > 0)
+        n = 8
+        assert engine.cache.tokens[-n:] == [int(t) for t in tokens[-n:]]
+        assert [p + engine.frame_offset for p in engine.cache.positions[-n:]] == [int(p) for p in positions[-n:]]
+        if gate == "0":
+            assert engine.homeless and any(r.gate_fired for r in results[-4:])
+        assert all(r.answer_tokens > 0 for r in results)
         session.close()
     finally:
         engine.close()

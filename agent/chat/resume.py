@@ -70,6 +70,7 @@ def pack(state: SessionState, key: dict[str, Any]) -> SavedState:
         "segments": np.asarray(snap.segments, dtype=np.int64),
         "logpi": np.asarray(snap.logpi, dtype=np.float64),
         "reinserted": np.asarray(snap.reinserted, dtype=np.int64),
+        "transient": np.asarray(snap.transient, dtype=np.int64),
         "spans": np.asarray([[m, a, b] for m, (a, b) in sorted(snap.spans.items())], dtype=np.int64).reshape(-1, 3),
     }
     sketch_meta = None
@@ -96,7 +97,7 @@ def pack(state: SessionState, key: dict[str, Any]) -> SavedState:
                            if lengths else np.empty(0, np.float64))
     meta = {"conversation_id": state.conversation_id, "last_message_id": state.last_message_id,
             "segments": list(state.segments), "next_pos": snap.next_pos, "rounds": snap.rounds,
-            "frame_offset": snap.frame_offset,
+            "frame_offset": snap.frame_offset, "homeless": sorted(snap.homeless),
             "memory": {"round": round_, "readings": len(readings), "history": history},
             "gate": {"statistic": g.statistic, "paid_layers": None if g.paid_layers is None else list(g.paid_layers)},
             "sketch": sketch_meta, "held": snap.held is not None,
@@ -106,12 +107,13 @@ def pack(state: SessionState, key: dict[str, Any]) -> SavedState:
 
 def _rows(prefix: str, rows: SketchRows) -> dict[str, np.ndarray]:
     return {f"{prefix}_codes": rows.codes, f"{prefix}_scales": rows.scales, f"{prefix}_positions": rows.positions,
-            f"{prefix}_messages": rows.messages}
+            f"{prefix}_messages": rows.messages, f"{prefix}_lags": rows.lag_array}
 
 
 def _sketch_rows(prefix: str, a: dict[str, np.ndarray]) -> SketchRows:
+    lags = a.get(f"{prefix}_lags")
     return SketchRows(a[f"{prefix}_codes"], a[f"{prefix}_scales"], a[f"{prefix}_positions"].astype(np.int32),
-                      a[f"{prefix}_messages"].astype(np.int32))
+                      a[f"{prefix}_messages"].astype(np.int32), None if lags is None else lags.astype(np.int32))
 
 
 def unpack(saved: SavedState, threads: int) -> SessionState:
@@ -132,7 +134,9 @@ def unpack(saved: SavedState, threads: int) -> SessionState:
         snap = EngineSnapshot(a["seq_state"].tobytes(), positions, tokens, a["segments"].tolist(),
                               a["logpi"].tolist(), int(m["next_pos"]), sketch, spans,
                               _sketch_rows("held", a) if m.get("held") else None, a["reinserted"].astype(np.int64),
-                              int(m["rounds"]), int(m.get("frame_offset", 0)))
+                              int(m["rounds"]), int(m.get("frame_offset", 0)),
+                              frozenset(int(x) for x in m.get("homeless", [])),
+                              a["transient"].astype(np.int64) if "transient" in a else np.empty(0, np.int64))
         live = np.asarray(positions, dtype=np.int32)
         readings = [patched.Importance(mass=a[f"importance_{i}"][None, :], cell_pos=live[None, :])
                     for i in range(int(m["memory"]["readings"]))]

@@ -434,6 +434,8 @@ class ChatSession:
                 f"(n_ctx {self.engine.n_ctx} minus {self.config.max_tokens} for the answer): shorten it or "
                 "raise --n-ctx; it was saved to the log")
         self._make_room(len(tokens) + self.config.max_tokens + 16, user.id, on_event)
+        # room for the answer and for what a firing gate may re-read at fresh positions before it
+        self._keep_frame(len(tokens) + self.config.max_tokens + 16 + self.config.reread_budget, on_event)
         return Turn(user, _Segment(user.index, "user", text), tokens, self.engine.next_pos, meta, clock)
 
     @property
@@ -731,6 +733,11 @@ class ChatSession:
                     self.engine.reinsert(tokens, p0, index, cancel=cancel,
                                          progress=functools.partial(_rereading, on_event, done, total))
                     done += len(tokens)
+            done = sum(len(t) for t, _, _ in every)
+            for message in target.fresh:
+                self.engine.feed_transient([int(t) for t in message.tokens], message.index, cancel=cancel,
+                                           progress=functools.partial(_rereading, on_event, done, total))
+                done += len(message.tokens)
             # The named messages are back exactly; the answer reads the cache as it is. Under the −log π biases a
             # sampled stand-in weighs up to 1/π cells (×50 at π = 0.02) and drowns the exact cells the re-read
             # brought back: measured on recall30 (docs/results/NOTES.md), lifting them for this turn is what lets
@@ -786,7 +793,10 @@ class ChatSession:
         ``in_flight``: the question being answered, read even when its turn is to be discarded afterwards."""
         history = self.store.history(self.conversation_id)
         msgs = self._tokenized([m for m in _readable(history.messages, in_flight) if m.id != pending])
-        room = self.engine.n_ctx - (self.config.max_tokens + 16 if reserve is None else reserve)
+        # positions start again from 0: no further than the model was trained on
+        trained = self.engine.info.n_ctx_train
+        cells = min(self.engine.n_ctx, trained) if trained > 0 else self.engine.n_ctx
+        room = cells - (self.config.max_tokens + 16 if reserve is None else reserve)
         return self.gate.plan_reread(self.conversation_id, msgs, room)
 
     def _read_history(self, plan: ReadPlan, cancel: threading.Event | None = None,
@@ -812,6 +822,9 @@ class ChatSession:
                              progress=functools.partial(_rereading, on_event, done, total))
             fed += len(toks)
         self._segments = [_Segment(m.index, m.role, m.content) for m in plan.messages]
+        if last is not None and last.first_pos is not None:
+            # the log's positions run on from where the re-read history ends, whatever the cache's frame
+            self.engine.frame_offset = max(0, int(last.first_pos) + len(last.tokens) - self.engine.next_pos)
         if keep_copy:
             self.gate.keep_copy(self.conversation_id, plan.messages, self.engine)
         return fed
@@ -875,6 +888,17 @@ class ChatSession:
             on_event(ev.Notice("the context is full: keeping the system prompt and the most recent messages",
                                "warning"))
             self._read_history(self._plan_reread(reserve=needed, pending=pending))
+
+    def _keep_frame(self, needed: int, on_event: EventSink) -> None:
+        """Before positions run past the model's trained context, move the frame down (``CacheManager.keep_frame``)
+        and say so; the log keeps the conversation's own positions."""
+        shift = self.memory.keep_frame(needed)
+        if shift is None:
+            return
+        self.gate.drop_copy()
+        on_event(ev.Notice(f"positions near the model's trained context: moved the cache {shift.delta:,} positions "
+                           f"down ({shift.packed} old cells packed behind the first {self.memory.settings.sinks}, "
+                           f"{len(shift.homeless)} messages re-read at fresh positions when needed)", "info"))
 
     # -- helpers --------------------------------------------------------------------------
     def _rendered(self) -> list[TemplateMessage]:

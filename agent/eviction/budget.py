@@ -37,7 +37,7 @@ from agent.config import Budget, Config, GateThreshold
 from agent.events import Hook
 from agent.eviction import policies
 from agent.gate import calibration
-from agent.llm.engine import Engine
+from agent.llm.engine import Engine, FrameShift
 from native import patched, poisson
 
 
@@ -86,6 +86,7 @@ class EvictionSettings:
     n_batch: int
     max_tokens: int
     evicted_rows_mb: int
+    frame_shift: bool
 
     @classmethod
     def from_config(cls, config: Config) -> EvictionSettings:
@@ -93,7 +94,7 @@ class EvictionSettings:
                    evict_at=config.evict_at, sinks=config.sinks, recent=config.recent, page_size=config.page_size,
                    seed=config.seed, question_window=config.question_window, cert_window=config.cert_window,
                    sketch_layers=config.sketch_layer_choice, sketch_bits=config.sketch_bits, n_batch=config.n_batch,
-                   max_tokens=config.max_tokens, evicted_rows_mb=config.evicted_rows_mb)
+                   max_tokens=config.max_tokens, evicted_rows_mb=config.evicted_rows_mb, frame_shift=config.frame_shift)
 
 
 class CacheManager:
@@ -372,6 +373,32 @@ class CacheManager:
         # readings map cells to positions the shift changed; the next prefill reads new ones
         self._importance = []
         return ContextShift(dropped=drop, delta=delta)
+
+    def keep_frame(self, needed: int) -> FrameShift | None:
+        """When the next ``needed`` positions would run past the model's trained context, move the frame down
+        (``Engine.shift_frame``) so that the next position lands near half of it: the sinks stay, the oldest kept
+        cells are packed behind them, the rest keep their distances. Only for a cache that evicts (a full cache
+        shifts its context when its cells run out, :meth:`shift_context`); None when nothing is due, the config
+        says ``frame_shift = false`` or the model's RoPE cannot be followed."""
+        engine = self.engine
+        limit = engine.info.n_ctx_train
+        if (not self.settings.frame_shift or limit <= 0 or engine.next_pos + needed <= limit
+                or not self.policy.evicts or engine.rope is None or not engine.ctx.can_shift()):
+            return None
+        live = np.asarray(engine.cache.positions, dtype=np.int64)
+        sinks = min(self.settings.sinks, len(live))
+        low = int(live[sinks - 1]) + 1 if sinks else 0
+        want = engine.next_pos - limit // 2
+        # how far the cells from each candidate cut would move: the gap behind the sinks less the cells packed there
+        cuts = np.arange(low + 1, engine.next_pos, dtype=np.int64)
+        moved = cuts - low - (np.searchsorted(live, cuts) - np.searchsorted(live, low))
+        ok = np.flatnonzero(moved >= want)
+        if not len(ok) or not np.any(live >= cuts[ok[0]]):
+            return None
+        shift = engine.shift_frame(low, int(cuts[ok[0]]))
+        # readings map cells to positions the shift changed; the next prefill reads new ones
+        self._importance = []
+        return shift
 
     def retained_by_message(self, roles: dict[int, str], lengths: dict[int, int]) -> list[tuple[int, str, float]]:
         """(message index, role, share of its tokens still cached) for each message."""

@@ -235,18 +235,21 @@ class TargetedRead:
 
     messages: list[tuple[Any, int, list[tuple[int, int]]]]
     """(logged message, its first position, its evicted [p0, p1) runs), most implicated first."""
+    fresh: list[Any] = field(default_factory=list)
+    """Logged messages a frame shift left without a place (``Engine.homeless``): fed whole at fresh positions,
+    before the question."""
 
     @property
     def tokens(self) -> int:
-        return sum(p1 - p0 for _, _, runs in self.messages for p0, p1 in runs)
+        return sum(p1 - p0 for _, _, runs in self.messages for p0, p1 in runs) + sum(len(m.tokens) for m in self.fresh)
 
     @property
     def ids(self) -> list[int]:
-        return [m.id for m, _, _ in self.messages]
+        return [m.id for m, _, _ in self.messages] + [m.id for m in self.fresh]
 
     @property
     def indices(self) -> list[int]:
-        return [m.index for m, _, _ in self.messages]
+        return [m.index for m, _, _ in self.messages] + [m.index for m in self.fresh]
 
 
 def _fed_span(engine: "Engine", index: int, message: Any) -> tuple[int, int] | None:
@@ -697,11 +700,20 @@ class Gate:
             return None, f"the question's attention is spread over {len(chosen)} evicted messages"
         chosen = chosen[:MAX_TARGETED]
         plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
+        fresh: list[Any] = []
         room = min(self.settings.reread_budget, free_cells)
         implicated = sum(self.turn.excess.get(i, 0.0) for i in chosen)
         covered = 0.0
         for index in chosen:
             message, span = logged.get(index), _fed_span(engine, index, logged.get(index))
+            if message is not None and message.tokens is not None and index in engine.homeless:
+                # its positions were packed away by a frame shift: it comes back whole, at fresh positions
+                if len(message.tokens) > room:
+                    break
+                room -= len(message.tokens)
+                covered += self.turn.excess.get(index, 0.0)
+                fresh.append(message)
+                continue
             if message is None or span is None:
                 return None, f"message {index} is not where the log puts it"
             cache = engine.cache
@@ -714,9 +726,9 @@ class Gate:
             room -= need
             covered += self.turn.excess.get(index, 0.0)
             plan.append((message, span[0], runs))
-        if not plan or (implicated > 0 and covered < COVER * implicated and not best_effort):
+        if not (plan or fresh) or (implicated > 0 and covered < COVER * implicated and not best_effort):
             return None, "the messages the question points at hold more evicted tokens than the re-read budget"
-        return TargetedRead(plan), ""
+        return TargetedRead(plan, fresh), ""
 
     def plan_copied(self, logged: dict[int, Any], engine: "Engine", free_cells: int,
                     most: int | None = None) -> TargetedRead | None:
@@ -725,7 +737,8 @@ class Gate:
         full history made, whatever the gate read. None where any is missing (the row budget let it go, the chat
         was reopened since), the cache and the log disagree, or more than ``most`` tokens are evicted."""
         rows = engine.rows
-        if rows is None:
+        if rows is None or engine.homeless:
+            # a frame shift let the rows go, and some messages have no place to be copied back to
             return None
         plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
         need = 0

@@ -129,6 +129,25 @@ class EngineSnapshot:
     """Eviction rounds since the cache was last empty (``Engine.rounds``)."""
     frame_offset: int = 0
     """How far the frame had shifted (``Engine.frame_offset``)."""
+    homeless: frozenset[int] = frozenset()
+    """Messages a frame shift had taken the span of (``Engine.homeless``)."""
+    transient: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    """Live positions of messages fed again at fresh positions for the turn (``Engine.feed_transient``)."""
+
+
+@dataclass(frozen=True)
+class FrameShift:
+    """What :meth:`Engine.shift_frame` did."""
+
+    low: int
+    """Cells below it stayed (the sinks)."""
+    cut: int
+    """Live cells in [low, cut) were packed behind the sinks."""
+    packed: int
+    delta: int
+    """How far every cell from ``cut`` on moved down."""
+    homeless: tuple[int, ...]
+    """Messages that lost their span (a re-read feeds them at fresh positions)."""
 
 
 @dataclass
@@ -198,6 +217,13 @@ class Engine:
         cannot give them."""
         self.copied_tokens = 0
         """Tokens :meth:`reinsert` has put back from :attr:`rows` rather than decoded, since the engine started."""
+        self.rope = self.model.rope()
+        """How the model rotates its rows (None: certchat cannot rotate them; no frame shift with a sketch)."""
+        self.homeless: set[int] = set()
+        """Messages whose span a frame shift took (:meth:`shift_frame`): a re-read feeds them at fresh positions."""
+        self._transient = np.empty(0, np.int64)
+        """Live positions of messages fed again at fresh positions for one turn (:meth:`feed_transient`): evicted
+        again, they leave nothing in the sketch or the rows, which keep the message as first evicted."""
         self.frame_offset = 0
         """How far :meth:`shift_down` has moved the newest cells down since the cache was last empty: a position
         fed now is the conversation's position ``next_pos + frame_offset`` (what the log keeps)."""
@@ -238,7 +264,8 @@ class Engine:
         return EngineSnapshot(self.ctx.seq_state(self.SEQ), list(self.cache.positions), list(self.cache.tokens),
                               list(self.cache.segments), list(self.cache.logpi), self.next_pos,
                               sketch if share_sketch or sketch is None else copy.deepcopy(sketch),
-                              dict(self.cache.spans), self._held, self._reinserted, self.rounds, self.frame_offset)
+                              dict(self.cache.spans), self._held, self._reinserted, self.rounds, self.frame_offset,
+                              frozenset(self.homeless), self._transient)
 
     def restore(self, snap: "EngineSnapshot") -> None:
         """Put the cache back as it was, biases included (state files carry none)."""
@@ -251,12 +278,15 @@ class Engine:
         self._write_biases()
         if snap.sketch is not None:
             self.sketch = copy.deepcopy(snap.sketch)
+            self.sketch.rope = self.rope
         elif self.sketch is not None:
             self.sketch.clear()
         self._held = snap.held
         self._reinserted = snap.reinserted
         self.rounds = snap.rounds
         self.frame_offset = snap.frame_offset
+        self.homeless = set(snap.homeless)
+        self._transient = snap.transient
 
     def evict(self, keep: np.ndarray, cum_logpi: np.ndarray | None = None, remember: bool = True) -> None:
         """Keep only the live cells where ``keep`` is True (mirror order) and compact the rest away; with
@@ -283,11 +313,13 @@ class Engine:
         if self._held is not None and len(gone):
             held, rest = self._held.split(gone)
         fresh = ~np.isin(gone, held.positions) if held is not None else np.ones(len(gone), dtype=bool)
+        transient = np.isin(gone, self._transient)
+        fresh &= ~transient
         keys = self.ctx.keys(self.SEQ, layers, gone[fresh]) if remember and layers and fresh.any() else None
         if remember and self.rows is not None and len(gone):
             # a re-inserted cell's rows are already kept (put back from them) or were decoded over the evicted
             # cache (kept nowhere): only first evictions are stored, so the store holds rows as first computed
-            first = ~np.isin(gone, self._reinserted)
+            first = ~np.isin(gone, self._reinserted) & ~transient
             if first.any():
                 tokens = np.asarray(self.cache.tokens, dtype=np.int64)[~keep][first]
                 self.rows.put(gone[first], tokens, self.ctx.kv_rows(self.SEQ, gone[first]))
@@ -297,10 +329,11 @@ class Engine:
         if rest is not None:
             self._held = rest
         self._reinserted = np.setdiff1d(self._reinserted, gone, assume_unique=True)
+        self._transient = np.setdiff1d(self._transient, gone, assume_unique=True)
         if keys is not None:
             if self.sketch is None:
                 self.sketch = EvictedKeySketch(layers, self.info.n_head_kv, keys.shape[2] // self.info.n_head_kv, bits,
-                                               threads=self.settings.threads)
+                                               threads=self.settings.threads, rope=self.rope)
             self.sketch.append(gone[fresh], gone_segments[fresh], keys)
         if held is not None and self.sketch is not None:
             self.sketch.put(held)
@@ -405,6 +438,7 @@ class Engine:
         if self._held is not None:
             self._held = self._held.split(self._held.positions[self._held.positions >= pos])[1]
         self._reinserted = self._reinserted[self._reinserted < pos]
+        self._transient = self._transient[self._transient < pos]
 
     def reset(self) -> None:
         """Empty the KV cache (a new conversation, or a full re-prefill)."""
@@ -412,6 +446,8 @@ class Engine:
         self.cache.clear()
         self.next_pos = 0
         self.frame_offset = 0
+        self.homeless = set()
+        self._transient = np.empty(0, np.int64)
         self._held = None
         self._reinserted = np.empty(0, np.int64)
         self.rounds = 0
@@ -592,6 +628,80 @@ class Engine:
         self.next_pos -= delta
         self.frame_offset += delta
         self._redecode_newest()
+
+    def shift_frame(self, low: int, cut: int) -> "FrameShift":
+        """Move the frame down, keeping a long chat's positions inside what the model was trained on. The cells
+        below ``low`` (the sinks) stay; the live cells in [low, cut) — old history the sample kept — are packed
+        behind them, in order; every cell from ``cut`` on moves down by the same ``delta`` (what the packing
+        leaves), so the recent history keeps its distances exactly. Messages with positions in [low, cut) lose
+        their span (:attr:`homeless`: a re-read feeds them at fresh positions); the sketch's keys, rotated where
+        they were evicted, are scored as lying ``delta`` further (``EvictedKeySketch.shift``), so a message's
+        reading does not change; the evicted rows, rotated at their old positions, are let go (re-reads decode).
+        The log keeps the conversation's positions (:attr:`frame_offset`). Applied at once, like
+        :meth:`shift_down`."""
+        live = np.asarray(self.cache.positions, dtype=np.int64)
+        zone = (live >= low) & (live < cut)
+        k = int(zone.sum())
+        delta = cut - low - k
+        if low < 0 or cut > self.next_pos or delta <= 0 or not np.any(live >= cut):
+            raise ValueError(f"no frame shift from [{low}, {cut}): it would move nothing down")
+        sketched = self.sketch is not None and self.sketch.n_tokens
+        if (sketched or self._held is not None) and self.rope is None:
+            raise ValueError("this model's RoPE is not one certchat can rotate: the sketch cannot follow a shift")
+        where = np.flatnonzero(zone)
+        rank = 0
+        for a, b in _runs(live[where]):
+            self.ctx.seq_add(self.SEQ, a, b, low + rank - a)
+            rank += b - a
+        self.ctx.seq_add(self.SEQ, cut, -1, -delta)
+        new_live = live.copy()
+        new_live[where] = low + np.arange(k)
+        new_live[live >= cut] -= delta
+
+        def live_map(pos: np.ndarray) -> np.ndarray:
+            return new_live[np.searchsorted(live, pos)]
+
+        def gone_map(pos: np.ndarray) -> np.ndarray:
+            # evicted positions in the packed zone have no place left: unique negative ids, kept in order
+            pos = np.asarray(pos, dtype=np.int64)
+            return np.where(pos >= cut, pos - delta, np.where(pos >= low, pos - cut, pos - (cut - low)))
+
+        homeless = {seg for seg, (a, b) in self.cache.spans.items() if a < cut and b > low}
+        for segment, (a, b) in list(self.cache.spans.items()):
+            if segment in homeless:
+                del self.cache.spans[segment]
+            elif a >= cut:
+                self.cache.spans[segment] = (a - delta, b - delta)
+        self.homeless |= homeless
+        self.cache.positions = [int(p) for p in new_live]
+        if self.sketch is not None and self.sketch.n_tokens:
+            self.sketch.shift(gone_map(self.sketch.positions), delta)
+        if self._held is not None:
+            self._held = self._held.shifted(live_map(self._held.positions.astype(np.int64)), delta)
+        self._reinserted = live_map(self._reinserted) if len(self._reinserted) else self._reinserted
+        self._transient = live_map(self._transient) if len(self._transient) else self._transient
+        if self.rows is not None:
+            self.rows.clear()
+        self.next_pos -= delta
+        self.frame_offset += delta
+        self._redecode_newest()
+        return FrameShift(low=low, cut=cut, packed=k, delta=delta, homeless=tuple(sorted(homeless)))
+
+    def feed_transient(self, tokens: list[int], segment: int, cancel: threading.Event | None = None,
+                       progress: Callable[[int], None] | None = None) -> float:
+        """Feed message ``segment`` again at the next positions for one turn (a re-read of a message a frame shift
+        left without a place): evicted again by :meth:`evict_reinserted`, without a trace in the sketch or rows."""
+        start = self.next_pos
+        span = self.cache.spans.get(segment)
+        ms = self.feed(tokens, segment, logits_last=False, cancel=cancel, progress=progress)
+        if span is None:
+            self.cache.spans.pop(segment, None)
+        else:
+            self.cache.spans[segment] = span
+        back = np.arange(start, self.next_pos, dtype=np.int64)
+        self._transient = np.union1d(self._transient, back)
+        self._reinserted = np.union1d(self._reinserted, back)
+        return ms
 
     def _redecode_newest(self) -> None:
         """Decode the newest cell again at its position: llama.cpp applies pending position shifts at a decode."""
