@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from agent import events as ev
+from agent.chat import resume
+from agent.chat.saved_state import SavedStates
 from agent.chat.session import ChatSession
 from agent.config import Config
 from agent.llm.engine import Engine, EngineSettings
@@ -271,7 +273,9 @@ def test_an_evicting_chat_past_the_trained_context_moves_its_frame_and_goes_on(s
     try:
         config = Config(model="smollm2-135m", n_ctx=1024, n_batch=256, policy="poisson", budget="96", gate=gate,
                         max_tokens=16, temperature=0.0, seed=0, evict_from=0, evicted_rows_mb=0, reread_budget=48)
-        session = ChatSession(config, Store(tmp_path / "log.db"), engine, "smollm2-135m")
+        db = tmp_path / "log.db"
+        saver = resume.Saver(SavedStates.beside(db, 64), "smollm2", "patch-level")
+        session = ChatSession(config, Store(db), engine, "smollm2-135m", saver=saver)
         notices: list[str] = []
 
         def hear(event: ev.Event) -> None:
@@ -292,6 +296,17 @@ def test_an_evicting_chat_past_the_trained_context_moves_its_frame_and_goes_on(s
         if gate == "0":
             assert engine.homeless and any(r.gate_fired for r in results[-4:])
         assert all(r.answer_tokens > 0 for r in results)
+        cache = (list(engine.cache.positions), engine.frame_offset, set(engine.homeless),
+                 engine.sketch.lags.tolist() if engine.sketch is not None else [])
+        cid = session.conversation_id
         session.close()
+        # reopened, the chat resumes its shifted cache as it was
+        engine.reset()
+        again = ChatSession(config, Store(db), engine, "smollm2-135m", conversation_id=cid, saver=saver)
+        assert again.opened is not None and again.opened.resumed, again.opened
+        assert cache == (list(engine.cache.positions), engine.frame_offset, set(engine.homeless),
+                         engine.sketch.lags.tolist() if engine.sketch is not None else [])
+        assert again.send(QUESTIONS[0]).answer_tokens > 0
+        again.close()
     finally:
         engine.close()
