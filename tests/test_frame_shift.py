@@ -271,7 +271,7 @@ def test_an_evicting_chat_past_the_trained_context_moves_its_frame_and_goes_on(s
     engine = Engine(EngineSettings(model_path=small_model, n_ctx=1024, n_batch=256, threads=2))
     engine.info = dataclasses.replace(engine.info, n_ctx_train=400)
     try:
-        config = Config(model="smollm2-135m", n_ctx=1024, n_batch=256, policy="poisson", budget="96", gate=gate,
+        config = Config(model="smollm2-135m", n_ctx=1024, n_batch=256, policy="poisson", budget="25%", gate=gate,
                         max_tokens=16, temperature=0.0, seed=0, evict_from=0, evicted_rows_mb=0, reread_budget=48)
         db = tmp_path / "log.db"
         saver = resume.Saver(SavedStates.beside(db, 64), "smollm2", "patch-level")
@@ -290,6 +290,8 @@ def test_an_evicting_chat_past_the_trained_context_moves_its_frame_and_goes_on(s
         assert session.memory_view().frame_offset == engine.frame_offset
         tokens, positions = session.store.history(session.conversation_id).flatten()
         assert positions[-1] > 400 and np.all(np.diff(positions) > 0)
+        # the budget follows the conversation's length, not the moved frame's
+        assert session.memory.budget_cells() == config.kv_budget.cells(engine.log_position(engine.next_pos))
         n = 8
         assert engine.cache.tokens[-n:] == [int(t) for t in tokens[-n:]]
         assert [p + engine.frame_offset for p in engine.cache.positions[-n:]] == [int(p) for p in positions[-n:]]

@@ -184,8 +184,8 @@ class CacheManager:
 
     @property
     def history(self) -> int:
-        """The conversation's history length in tokens, as the cache has seen it."""
-        self._longest = max(self._longest, self.engine.next_pos)
+        """The conversation's history length in tokens, as the cache has seen it (its frame moved down or not)."""
+        self._longest = max(self._longest, self.engine.log_position(self.engine.next_pos))
         return self._longest
 
     def evicting(self, history: int | None = None) -> bool:
@@ -233,11 +233,11 @@ class CacheManager:
 
     # -- budget ----------------------------------------------------------------------------
     def budget_cells(self, history: int | None = None) -> int | None:
-        """Cells the budget allows for a history of ``history`` positions (default: the current one); None for
+        """Cells the budget allows for a history of ``history`` tokens (default: the current one); None for
         the full cache (a policy that never evicts, or a history below ``evict_from``)."""
         if not self.evicting(history):
             return None
-        length = self.engine.next_pos if history is None else history
+        length = self.engine.log_position(self.engine.next_pos) if history is None else history
         cells = self.settings.budget.cells(length)
         return max(cells, self.settings.sinks + self.settings.recent)
 
@@ -249,7 +249,7 @@ class CacheManager:
         if not self.reads_attention or not self.readout_due() or hold < 1:
             return 0
         head = n_tokens - hold
-        budget = self.budget_cells(self.engine.next_pos + head)
+        budget = self.budget_cells(self.engine.log_position(self.engine.next_pos) + head)
         return hold if budget is not None and len(self.engine.cache) + head > budget else 0
 
     # -- attention readings ------------------------------------------------------------

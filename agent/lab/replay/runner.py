@@ -314,7 +314,7 @@ class Runner:
         return result, watch
 
     def _step(self, session: Any, step: Step, script: Script) -> dict[str, Any]:
-        history = self.engine.next_pos
+        history = self.engine.log_position(self.engine.next_pos)
         if step.independent:
             result, watch = self._send(session, step, script, "independent")
         elif step.assistant is not None and (step.probe is not None or self.generate_fillers):
@@ -331,7 +331,7 @@ class Runner:
 
         The one eviction happens after the probe is prefilled whatever ``evict_at`` says: a
         turn-end eviction would come after the answer, leaving the probe answered from the full cache."""
-        history = self.engine.next_pos
+        history = self.engine.log_position(self.engine.next_pos)
         session.reconfigure(policy=cfg.policy, budget=cfg.budget, gate=cfg.gate, evict_at="question")
         try:
             result, watch = self._send(session, step, script, "independent")
