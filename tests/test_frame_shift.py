@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -27,13 +28,17 @@ QUESTION = " What is my cat called?"
 LAYERS = list(range(30))  # every layer of smollm2-135m
 
 
+def _pair(path: Path) -> Iterator[tuple[Engine, Engine]]:
+    """Two engines on the test model: one to shift, one to compare it with."""
+    pair = tuple(Engine(EngineSettings(model_path=path, n_ctx=1024, n_batch=64, threads=2)) for _ in range(2))
+    yield pair[0], pair[1]
+    for engine in pair:
+        engine.close()
+
+
 @pytest.fixture(scope="module")
-def engines(small_model: Path):
-    settings = EngineSettings(model_path=small_model, n_ctx=1024, n_batch=64, threads=2)
-    a, b = Engine(settings), Engine(settings)
-    yield a, b
-    a.close()
-    b.close()
+def engines(small_model: Path) -> Iterator[tuple[Engine, Engine]]:
+    yield from _pair(small_model)
 
 
 def _tok(engine: Engine, text: str) -> list[int]:
@@ -165,14 +170,8 @@ def _ask(engine: Engine) -> tuple[np.ndarray, dict[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def evicting(small_model: Path):
-    settings = EngineSettings(model_path=small_model, n_ctx=1024, n_batch=64, threads=2)
-    a, b = Engine(settings), Engine(settings)
-    yield a, b
-    a.set_readout(False, 8)
-    b.set_readout(False, 8)
-    a.close()
-    b.close()
+def evicting(small_model: Path) -> Iterator[tuple[Engine, Engine]]:
+    yield from _pair(small_model)
 
 
 def test_the_sketch_reads_every_evicted_message_the_same_before_and_after_a_frame_shift(evicting) -> None:
