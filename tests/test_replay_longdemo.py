@@ -111,3 +111,20 @@ def test_paired_counts_and_the_time_bar() -> None:
     assert d == 0.0 and lo < 0 < hi
     assert longdemo.time_bar(full, {"turn_s_mean": 1.0}) == pytest.approx(1.2)
     assert longdemo.time_bar(full, None) is None
+
+
+def test_recall_splits_by_the_facts_age_past_the_trained_context() -> None:
+    """A probe whose fact lies further back than the trained context counts as "older", the rest as "within";
+    a run of a script that does not run past it splits nothing."""
+    def step(turn: int, correct: bool) -> dict:
+        return {"turn": turn, "kind": "probe", "correct": correct, "independent": False, "gate_fired": False,
+                "reprefill_tokens": 0, "distance": 5, "category": "verbatim"}
+
+    summary = {"decode_s": 1.0, "decode_tokens": 10, "peak_live_cells": 1, "history_tokens": 50}
+    past = {"script": "s", "seed": 0, "steps": [step(10, True), step(20, False), step(30, True)], "summary": summary,
+            "wall_s": 1.0, "beyond": 1000, "fact_age_tokens": {"10": 4000, "20": 1500, "30": 200}}
+    column = longdemo._column([past])
+    assert column["recall_by_age"] == {"within 1,000 tokens": (1, 1), "older than 1,000 tokens": (1, 2)}
+    plain = {**past, "beyond": None, "fact_age_tokens": {}}
+    plain.pop("beyond")
+    assert longdemo._column([plain])["recall_by_age"] == {}
