@@ -59,7 +59,8 @@ def test_policy_matrix(policy: str, evict_at: str, engine: Engine, tmp_path: Pat
         assert r.answer
         # the message is in the cache once, in order, at contiguous positions, as logged
         user = [m for m in store.messages(s.conversation_id) if m.role == "user"][-1]
-        span = (positions >= user.first_pos) & (positions < user.first_pos + len(user.tokens))
+        first = eng.frame_position(user.first_pos)
+        span = (positions >= first) & (positions < first + len(user.tokens))
         if policy == "full" or evict_at == "question":
             assert np.array_equal(positions[span], np.arange(user.first_pos, user.first_pos + len(user.tokens)))
             assert np.array_equal(np.asarray(engine.cache.tokens)[span], np.asarray(user.tokens))
@@ -167,9 +168,9 @@ def test_a_long_message_after_eviction_makes_room(policy: str, small_model: Path
 
 
 def test_a_message_that_nearly_fills_the_context_keeps_the_newest_history(small_model: Path, tmp_path: Path) -> None:
-    """`full` cannot evict, so a long message re-reads only the newest history that leaves room for the message
-    and its answer, and the message is read once (the re-read used to include it and leave it no room:
-    KVCacheFull)."""
+    """`full` cannot evict, so a long message shifts the context: the oldest whole messages after the system
+    prompt are dropped to leave room for the message and its answer, and the message is read once (a re-read that
+    included it used to leave it no room: KVCacheFull)."""
     from agent import events as ev
 
     eng = Engine(EngineSettings(model_path=small_model, n_ctx=512, n_batch=256, threads=2))
@@ -188,7 +189,8 @@ def test_a_message_that_nearly_fills_the_context_keeps_the_newest_history(small_
         assert user.content == long and not user.meta.get("discarded")
         positions = np.asarray(eng.cache.positions)
         tokens = np.asarray(eng.cache.tokens)
-        span = (positions >= user.first_pos) & (positions < user.first_pos + len(user.tokens))
+        first = eng.frame_position(user.first_pos)
+        span = (positions >= first) & (positions < first + len(user.tokens))
         assert np.array_equal(tokens[span], np.asarray(user.tokens))
         assert int(np.count_nonzero(tokens == user.tokens[len(user.tokens) // 2])) <= len(user.tokens), \
             "the message is in the cache once"

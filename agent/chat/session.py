@@ -880,8 +880,8 @@ class ChatSession:
             shifted = self.memory.shift_context(needed)
             if shifted is not None:
                 on_event(ev.Notice(f"the context is full: dropped the {shifted.dropped} oldest tokens after the "
-                                   f"first {self.memory.settings.sinks} and moved the rest down (context shift); "
-                                   "the log keeps them all", "warning"))
+                                   f"first {shifted.kept} and moved the rest down (context shift); the log keeps "
+                                   "them all", "warning"))
                 self.gate.drop_copy()
                 return
         if not freed:

@@ -62,8 +62,8 @@ class ContextShift:
 
     dropped: int
     """Cells dropped."""
-    delta: int
-    """How far the kept cells moved down."""
+    kept: int
+    """Positions kept at the front (the sinks, and the first message when it is short)."""
 
 
 @dataclass(frozen=True)
@@ -347,32 +347,41 @@ class CacheManager:
 
     def shift_context(self, needed: int) -> ContextShift | None:
         """Make room for ``needed`` cells in a cache that does not evict (``full``, or a policy that does not apply
-        yet): drop the oldest half of the history after the sinks (at least what ``needed`` takes) and move the
-        rest down behind the sinks, keys re-rotated — llama.cpp's context shift. Positions then stay under the
-        context size, and nothing is recomputed. None where the cache cannot move positions or a shift would not
-        free enough (the session then re-reads the newest history) or the cache keeps evicted cells' keys."""
+        yet), as llama.cpp's context shift does, at message boundaries: the sinks and the first message (the
+        system prompt, when it is short) stay, the oldest whole messages after them are dropped — about half the
+        rest, at least what ``needed`` takes — and the newer ones move down behind them, keys re-rotated. Nothing is
+        recomputed and positions stay under the context size. None where the cache cannot move positions, keeps
+        evicted cells' keys, or cannot free enough that way (the session then re-reads the newest history)."""
         engine = self.engine
-        cache = engine.cache
-        sinks = self.settings.sinks
-        n = len(cache)
         short = needed - engine.free_cells()
-        drop = max(short, (n - sinks) // 2)
-        if short <= 0 or drop >= n - sinks or not engine.ctx.can_shift():
+        if short <= 0 or not engine.ctx.can_shift():
             return None
-        sketched = engine.sketch is not None and engine.sketch.n_tokens
-        if sketched or (engine.rows is not None and len(engine.rows)):
+        if (engine.sketch is not None and engine.sketch.n_tokens) or (engine.rows is not None and len(engine.rows)):
             return None
-        keep = np.ones(n, dtype=bool)
-        keep[sinks:sinks + drop] = False
-        first = int(cache.positions[sinks + drop])
-        after_sinks = int(cache.positions[sinks - 1]) + 1 if sinks else 0
-        engine.evict(keep, remember=False)
-        delta = first - after_sinks
-        if delta > 0:
-            engine.shift_down(first, delta)
+        live = np.asarray(engine.cache.positions, dtype=np.int64)
+        sinks = min(self.settings.sinks, len(live))
+        low = int(live[sinks - 1]) + 1 if sinks else 0
+        spans = sorted(engine.cache.spans.values())
+        if spans and spans[0][0] == 0 and spans[0][1] <= engine.n_ctx // 4:
+            low = max(low, spans[0][1])
+        after = int(np.count_nonzero(live >= low))
+        if after < short:
+            return None
+        want = max(short, after // 2)
+        below = np.searchsorted(live, low)
+        cut = next((a for a, _ in spans if a > low and np.searchsorted(live, a) - below >= want
+                    and np.any(live >= a)), None)
+        if cut is None:
+            # every message after the kept ones goes
+            dropped = after
+            engine.cut_history(low)
+        else:
+            dropped = int(np.searchsorted(live, cut) - below)
+            engine.evict((live < low) | (live >= cut), remember=False)
+            engine.shift_down(cut, cut - low)
         # readings map cells to positions the shift changed; the next prefill reads new ones
         self._importance = []
-        return ContextShift(dropped=drop, delta=delta)
+        return ContextShift(dropped=dropped, kept=low)
 
     def keep_frame(self, needed: int) -> FrameShift | None:
         """When the next ``needed`` positions would run past the model's trained context, move the frame down

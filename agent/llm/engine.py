@@ -720,6 +720,13 @@ class Engine:
         self.ctx.set_bias(self.SEQ, np.asarray([pos], dtype=np.int32),
                           np.asarray([0.0 if self.biases_lifted else -self.cache.logpi[-1]], dtype=np.float32))
 
+    def cut_history(self, pos: int) -> None:
+        """Drop every cell from ``pos`` on (a full cache making room for a long message): the next cell goes at
+        ``pos``, while the conversation's positions run on (:attr:`frame_offset`)."""
+        end = self.next_pos
+        self.truncate(pos)
+        self.frame_offset += end - pos
+
     def log_position(self, pos: int) -> int:
         """The conversation's position (what the log keeps) of frame position ``pos`` fed since the last shift."""
         return pos + self.frame_offset
