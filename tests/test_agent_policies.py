@@ -59,10 +59,10 @@ def test_policy_matrix(policy: str, evict_at: str, engine: Engine, tmp_path: Pat
         assert r.answer
         # the message is in the cache once, in order, at contiguous positions, as logged
         user = [m for m in store.messages(s.conversation_id) if m.role == "user"][-1]
-        first = eng.frame_position(user.first_pos)
+        first = engine.frame_position(user.first_pos)
         span = (positions >= first) & (positions < first + len(user.tokens))
         if policy == "full" or evict_at == "question":
-            assert np.array_equal(positions[span], np.arange(user.first_pos, user.first_pos + len(user.tokens)))
+            assert np.array_equal(positions[span], np.arange(first, first + len(user.tokens)))
             assert np.array_equal(np.asarray(engine.cache.tokens)[span], np.asarray(user.tokens))
     r = s.send("What is my locker code?")
     assert r.answer
