@@ -590,13 +590,16 @@ class EvictedKeySketch:
             out = np.empty((len(self.layers), n_head, n), dtype=np.float32)
             for lag in np.unique(lags):
                 # a key rotated `lag` positions before the frame moved is scored at its true distance by the
-                # question's rows rotated as far (RoPE depends on the difference of positions only)
-                rows = q[idx] if lag == 0 or self.rope is None else rotate(q[idx], self.head_dim, self.rope, int(lag))
-                part = score_layers(self._codes, self._scales, n, self.n_kv_head, self.head_dim, self.bits, rows,
-                                    np.asarray(queries.lse)[idx], np.asarray(queries.kq_scale)[idx], renormalise,
-                                    self._channel, self.threads)
+                # question's rows rotated as far (RoPE depends on the difference of positions only); each row is
+                # scored once, with its own lag's rows
                 hit = lags == lag
-                out[:, :, hit] = part[:, :, hit]
+                codes, scales, m = ((self._codes, self._scales, n) if hit.all() else
+                                    (np.ascontiguousarray(self._codes[:, :n][:, hit]),
+                                     np.ascontiguousarray(self._scales[:, :n][:, hit]), int(hit.sum())))
+                rows = q[idx] if lag == 0 or self.rope is None else rotate(q[idx], self.head_dim, self.rope, int(lag))
+                out[:, :, hit] = score_layers(codes, scales, m, self.n_kv_head, self.head_dim, self.bits, rows,
+                                              np.asarray(queries.lse)[idx], np.asarray(queries.kq_scale)[idx],
+                                              renormalise, self._channel, self.threads)
         self.timing.score_ms += (time.perf_counter() - start) * 1000.0
         self.timing.score_calls += 1
         return SketchScore(layers=np.asarray(self.layers, dtype=np.int32), positions=pos, messages=msg, per_head=out)
