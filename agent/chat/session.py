@@ -823,8 +823,7 @@ class ChatSession:
             fed += len(toks)
         self._segments = [_Segment(m.index, m.role, m.content) for m in plan.messages]
         if last is not None and last.first_pos is not None:
-            # the log's positions run on from where the re-read history ends, whatever the cache's frame
-            self.engine.frame_offset = max(0, int(last.first_pos) + len(last.tokens) - self.engine.next_pos)
+            self.engine.continue_log(int(last.first_pos) + len(last.tokens))
         if keep_copy:
             self.gate.keep_copy(self.conversation_id, plan.messages, self.engine)
         return fed

@@ -359,8 +359,7 @@ class CacheManager:
         if (engine.sketch is not None and engine.sketch.n_tokens) or (engine.rows is not None and len(engine.rows)):
             return None
         live = np.asarray(engine.cache.positions, dtype=np.int64)
-        sinks = min(self.settings.sinks, len(live))
-        low = int(live[sinks - 1]) + 1 if sinks else 0
+        low = self._after_sinks(live)
         spans = sorted(engine.cache.spans.values())
         if spans and spans[0][0] == 0 and spans[0][1] <= engine.n_ctx // 4:
             low = max(low, spans[0][1])
@@ -395,8 +394,7 @@ class CacheManager:
                 or not self.policy.evicts or engine.rope is None or not engine.ctx.can_shift()):
             return None
         live = np.asarray(engine.cache.positions, dtype=np.int64)
-        sinks = min(self.settings.sinks, len(live))
-        low = int(live[sinks - 1]) + 1 if sinks else 0
+        low = self._after_sinks(live)
         want = engine.next_pos - limit // 2
         # how far the cells from each candidate cut would move: the gap behind the sinks less the cells packed there
         cuts = np.arange(low + 1, engine.next_pos, dtype=np.int64)
@@ -408,6 +406,11 @@ class CacheManager:
         # readings map cells to positions the shift changed; the next prefill reads new ones
         self._importance = []
         return shift
+
+    def _after_sinks(self, live: np.ndarray) -> int:
+        """The first position after the sinks among the live positions ``live`` (sorted)."""
+        sinks = min(self.settings.sinks, len(live))
+        return int(live[sinks - 1]) + 1 if sinks else 0
 
     def retained_by_message(self, roles: dict[int, str], lengths: dict[int, int]) -> list[tuple[int, str, float]]:
         """(message index, role, share of its tokens still cached) for each message."""

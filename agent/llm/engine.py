@@ -225,7 +225,7 @@ class Engine:
         """Live positions of messages fed again at fresh positions for one turn (:meth:`feed_transient`): evicted
         again, they leave nothing in the sketch or the rows, which keep the message as first evicted."""
         self.frame_offset = 0
-        """How far :meth:`shift_down` has moved the newest cells down since the cache was last empty: a position
+        """How far :meth:`shift_frame` has moved the newest cells down since the cache was last empty: a position
         fed now is the conversation's position ``next_pos + frame_offset`` (what the log keeps)."""
 
     def keep_rows(self, budget_mb: int) -> None:
@@ -293,7 +293,7 @@ class Engine:
         ``cum_logpi`` (one value per live cell), the survivors' cumulative log π, written as their −log π
         logit bias. Arguments are checked before anything changes, so the call does all of it or nothing.
         ``remember=False``: the cells are dropped, not evicted — neither the sketch nor the rows keep them, and
-        no eviction round is counted (a full cache making room, :meth:`shift_down`)."""
+        no eviction round is counted (a full cache making room before :meth:`shift_down`)."""
         keep = np.asarray(keep, dtype=bool)
         n = len(self.cache)
         if keep.shape != (n,):
@@ -596,38 +596,17 @@ class Engine:
         if back.any():
             self.evict(~back)
 
-    def shift_down(self, first: int, delta: int) -> None:
-        """Move every live cell at position ≥ ``first`` down by ``delta``, its keys re-rotated there (llama.cpp's
-        K-shift), so a long chat's positions stay inside what the model was trained on. No live cell may lie in
-        [first − delta, first) (drop those first); the cells below keep their positions (the sinks stay at the
-        front) and the moved ones their distances to each other. A message whose span reaches into the vacated
-        positions loses its span. The keys of evicted cells (the sketch, the rows, re-inserted cells' held rows)
-        were rotated at their old positions and cannot follow yet: a cache holding any refuses (``ValueError``).
-        The shift is applied at once (the newest cell is decoded again), so every later read, snapshot or saved
-        state sees rotated keys."""
+    def shift_down(self, first: int, delta: int) -> "FrameShift":
+        """Move every live cell at position ≥ ``first`` down by ``delta`` into the gap before it, which must hold
+        no live cell (drop those first): :meth:`shift_frame` with nothing to pack. The cells below keep their
+        positions (the sinks stay at the front) and the moved ones their distances to each other; a message whose
+        span reaches into the gap loses its span (:attr:`homeless`)."""
         live = np.asarray(self.cache.positions, dtype=np.int64)
         if delta <= 0 or first < delta or first > self.next_pos:
             raise ValueError(f"cannot move positions from {first} down by {delta} (sequence end {self.next_pos})")
         if np.any((live >= first - delta) & (live < first)):
             raise ValueError(f"positions [{first - delta}, {first}) still hold live cells: drop them first")
-        if not np.any(live >= first):
-            raise ValueError(f"no live cell at or after position {first} to move")
-        kept = (self.sketch is not None and self.sketch.n_tokens) or (self.rows is not None and len(self.rows)) \
-            or len(self._reinserted)
-        if kept:
-            raise ValueError("the cache keeps evicted cells' keys at their positions (sketch or rows): a frame shift "
-                             "cannot carry them yet")
-        self.ctx.seq_add(self.SEQ, first, -1, -delta)
-        moved = live >= first
-        self.cache.positions = [int(p) for p in np.where(moved, live - delta, live)]
-        for segment, (a, b) in list(self.cache.spans.items()):
-            if a >= first:
-                self.cache.spans[segment] = (a - delta, b - delta)
-            elif b > first - delta:
-                del self.cache.spans[segment]
-        self.next_pos -= delta
-        self.frame_offset += delta
-        self._redecode_newest()
+        return self.shift_frame(first - delta, first)
 
     def shift_frame(self, low: int, cut: int) -> "FrameShift":
         """Move the frame down, keeping a long chat's positions inside what the model was trained on. The cells
@@ -637,8 +616,8 @@ class Engine:
         their span (:attr:`homeless`: a re-read feeds them at fresh positions); the sketch's keys, rotated where
         they were evicted, are scored as lying ``delta`` further (``EvictedKeySketch.shift``), so a message's
         reading does not change; the evicted rows, rotated at their old positions, are let go (re-reads decode).
-        The log keeps the conversation's positions (:attr:`frame_offset`). Applied at once, like
-        :meth:`shift_down`."""
+        The log keeps the conversation's positions (:attr:`frame_offset`). The shift is applied at once (the newest
+        cell is decoded again), so every later read, snapshot or saved state sees rotated keys."""
         live = np.asarray(self.cache.positions, dtype=np.int64)
         zone = (live >= low) & (live < cut)
         k = int(zone.sum())
@@ -719,6 +698,11 @@ class Engine:
             self.set_readout(*readout)
         self.ctx.set_bias(self.SEQ, np.asarray([pos], dtype=np.int32),
                           np.asarray([0.0 if self.biases_lifted else -self.cache.logpi[-1]], dtype=np.float32))
+
+    def continue_log(self, logged_end: int) -> None:
+        """The cache was just filled from the log, whose history it holds ends at the conversation's position
+        ``logged_end``: what is fed next continues the log's positions there, whatever the cache's frame."""
+        self.frame_offset = max(0, logged_end - self.next_pos)
 
     def cut_history(self, pos: int) -> None:
         """Drop every cell from ``pos`` on (a full cache making room for a long message): the next cell goes at
