@@ -42,7 +42,8 @@ def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: 
     path = longchat.save(s, tmp_path / "scripts", "smollm2-135m")
     out = tmp_path / "run"
     assert _cli(["demo", "long", "--script", str(path), "--policy", "full,poisson+gate", "--model", "smollm2-135m",
-                 "--threads", "1", "--max-tokens", "4", "--no-progress", "--json", "--out", str(out)]) == 0
+                 "--threads", "1", "--max-tokens", "4", "--no-progress", "--json", "--score-replies",
+                 "--out", str(out)]) == 0
     columns = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["columns"]
     assert [(c["policy"], c["budget"]) for c in columns] == [("full", "100%"), ("poisson+gate", "10%")]
     full, gated = columns
@@ -67,6 +68,8 @@ def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: 
     table = (out / "long-table.md").read_text(encoding="utf-8")
     assert "gate rate: probes / question fillers / other turns" in table and "turn time, mean / p95" in table
     assert "| paired with full: both / full only / this only / neither | — | " in table
+    fit = next(line for line in table.splitlines() if "scripted replies' log-prob per token" in line)
+    assert all(float(cell) < 0 for cell in fit.strip(" |").split(" | ")[1:])  # both columns scored every reply
     # the same table from the results on disk (as after `replay merge` of shards)
     assert _cli(["demo", "long", "--from-results", str(out), "--json", "--no-plots"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["columns"]
@@ -128,3 +131,22 @@ def test_recall_splits_by_the_facts_age_past_the_trained_context() -> None:
     plain = {**past, "beyond": None, "fact_age_tokens": {}}
     plain.pop("beyond")
     assert longdemo._column([plain])["recall_by_age"] == {}
+
+
+def test_scripted_replies_log_probability_by_position_in_the_chat() -> None:
+    """Scored replies pool per token into bands of the conversation's length (where each reply was fed); the
+    table has a row per band and a dash for a column that scored nothing."""
+    def step(turn: int, history: int, total: float | None, n: int) -> dict:
+        out = {"turn": turn, "kind": "filler", "independent": False, "gate_fired": False, "reprefill_tokens": 0,
+               "history_tokens": history}
+        if total is not None:
+            out.update(reply_logprob_sum=total, reply_scored_tokens=n)
+        return out
+
+    summary = {"decode_s": 1.0, "decode_tokens": 10, "peak_live_cells": 1, "history_tokens": 40_000}
+    steps = [step(1, 100, -4.0, 4), step(2, 16_000, -2.0, 1), step(3, 20_000, -9.0, 3), step(4, 39_000, None, 0)]
+    run = {"script": "s", "seed": 0, "policy": "poisson", "budget": "10%", "steps": steps, "summary": summary,
+           "wall_s": 1.0}
+    column = longdemo._column([run])
+    assert column["reply_logprob_by_position"] == {"0k–16k": (-6.0 / 5, 5), "16k–32k": (-3.0, 3)}
+    assert longdemo._column([{**run, "steps": steps[3:]}])["reply_logprob_by_position"] == {}

@@ -16,7 +16,7 @@ from agent.config import Config
 from agent.lab import cli_replay
 from agent.lab.replay import runner, script
 from agent.lab.replay.runner import Job, Runner
-from agent.llm.engine import Engine, EngineSettings
+from agent.llm.engine import Engine, EngineSettings, _log_softmax_at
 from memory_store.store import Store
 
 LINES = [
@@ -100,6 +100,38 @@ def test_one_shot_protocol_keeps_the_history_full(engine: Engine, tmp_path: Path
     history = [m.content for m in r.store.history(filled[1]["conversation_id"]).messages
                if not m.meta.get("discarded")]
     assert "Got it: your locker code is 4172." in history
+
+
+def test_scored_replies_are_the_models_teacher_forced_log_probabilities(engine: Engine, tmp_path: Path,
+                                                                        tiny: Path) -> None:
+    """``score_replies`` records each scripted reply's log-probability (forced and replacing a probe's answer);
+    it equals one-token-at-a-time decoding of the same history and changes nothing else in the run."""
+    s = script.load(tiny)
+    plain = _runner(engine, tmp_path / "plain").run(Job(s.name, "full", "100%", 0), s)
+    r = _runner(engine, tmp_path / "scored")
+    r.score_replies = True
+    run = r.run(Job(s.name, "full", "100%", 0), s)
+    scored = {x["turn"]: x for x in run["steps"] if "reply_scored_tokens" in x}
+    # the independent probe and the reply the model wrote are not scored
+    assert sorted(scored) == [st.turn for st in s.steps if st.assistant is not None and not st.independent]
+    assert len(scored) == 3
+    assert [x.get("answer") for x in run["steps"]] == [x.get("answer") for x in plain["steps"]]
+    assert all(x["logprob_mean"] is None for x in run["steps"] if x["forced"])
+    kept = [m for m in r.store.history(run["conversation_id"]).messages if not m.meta.get("discarded")]
+    tokens = [int(t) for m in kept for t in m.tokens]
+    assert engine.cache.tokens == tokens
+    reply = next(m for m in kept if m.role == "assistant")  # turn 1's reply
+    assert scored[1]["reply_scored_tokens"] > 3
+    first = sum(len(m.tokens) for m in kept[:kept.index(reply)])
+    reply_tokens = tokens[first:first + scored[1]["reply_scored_tokens"] + 1]
+    engine.reset()
+    engine.feed(tokens[:first + 1], segment=0)
+    total = 0.0
+    for token in reply_tokens[1:]:
+        total += _log_softmax_at(engine.ctx.logits(-1), token)
+        engine.feed([token], segment=0)
+    assert scored[1]["reply_logprob_sum"] == pytest.approx(total, abs=0.02 * len(reply_tokens))
+    assert total / len(reply_tokens) > -8  # a fitting reply, not noise: ln(vocab) ≈ −11
 
 
 def test_jobs_plan_and_shard() -> None:

@@ -340,11 +340,12 @@ class ChatSession:
         turn.generation = gen
         turn.answer_id = self._close_answer(gen, stream, turn.clock)
 
-    def force_answer(self, turn: Turn, text: str) -> None:
-        """Teacher forcing: ``text`` enters the cache and the log as the answer, as if generated."""
+    def force_answer(self, turn: Turn, text: str, score: bool = False) -> None:
+        """Teacher forcing: ``text`` enters the cache and the log as the answer, as if generated. With ``score``
+        the generation's ``logprobs`` are the model's log-probabilities of ``text``'s tokens after the first."""
         if turn.reread_path == "copied":
             self.memory.set_readout(False)  # as _generate: nothing is evicted, there is no error to certify
-        turn.generation, turn.answer_id = self._forced(text, turn.meta)
+        turn.generation, turn.answer_id = self._forced(text, turn.meta, score)
 
     def finish_turn(self, turn: Turn, on_event: EventSink = _ignore, evict: bool = True) -> ev.TurnResult:
         """Close the turn: the turn-end eviction (unless ``evict`` is False), the turn record, ``TurnFinished``.
@@ -402,9 +403,10 @@ class ChatSession:
         self.memory.roll_back(checkpoint.memory)
         self._segments, self._turn_certs = list(checkpoint.segments), list(checkpoint.certificates)
 
-    def replace_answer(self, turn: Turn, text: str) -> None:
+    def replace_answer(self, turn: Turn, text: str, score: bool = False) -> list[float]:
         """Swap the turn's answer (the newest cells) for ``text`` in the cache and the log; the generated one
-        stays logged, marked discarded."""
+        stays logged, marked discarded. With ``score``: the log-probabilities of ``text``'s tokens after the
+        first (else empty)."""
         assert turn.answer_id is not None
         generated = self.store.get_message(turn.answer_id)
         first = (self.engine.frame_position(int(generated.first_pos)) if generated.first_pos is not None
@@ -412,7 +414,8 @@ class ChatSession:
         self.engine.truncate(first)
         self.store.update_message_meta(turn.answer_id, {"discarded": True, "replaced": True})
         self._segments.pop()
-        self._forced(text, None)
+        gen, _ = self._forced(text, None, score)
+        return gen.logprobs
 
     # -- the turn's steps -------------------------------------------------------------------
     def _log_question(self, text: str, meta: dict | None, on_event: EventSink) -> Turn:
@@ -589,15 +592,17 @@ class ChatSession:
             cells_before=report.cells_before, cells_after=report.cells_after,
             expected_budget=float(report.budget_cells), seed=report.seed, sum_pi=report.sum_pi))
 
-    def _forced(self, text: str, meta: dict | None) -> tuple[Generation, int]:
-        """Feed a given answer as if generated (replays are teacher-forced)."""
+    def _forced(self, text: str, meta: dict | None, score: bool = False) -> tuple[Generation, int]:
+        """Feed a given answer as if generated (replays are teacher-forced); ``score``: keep its tokens'
+        log-probabilities."""
         index = self.store.messages(self.conversation_id)[-1].index + 1
         first = self.engine.next_pos
         tokens = self._tokenize(text, first=False)
         closing = self._tokenize(self.template.assistant_closing(self._rendered(), text), first=False)
         started = time.perf_counter()
+        scores: list[float] | None = [] if score else None
         if tokens:
-            self.engine.feed(tokens, segment=index, logits_last=False)
+            self.engine.feed(tokens, segment=index, logits_last=False, scores=scores)
         if self._feed_closing(closing, index):
             self.memory.read_importance(add=True)
         msg = self.store.append_message(self.conversation_id, "assistant", text, tokens=tokens + closing,
@@ -606,7 +611,7 @@ class ChatSession:
         assert msg.index == index
         self._segments.append(_Segment(msg.index, "assistant", text))
         gen = Generation(tokens=tokens, text=text, stop="forced",
-                         decode_ms=(time.perf_counter() - started) * 1000.0, logprobs=[])
+                         decode_ms=(time.perf_counter() - started) * 1000.0, logprobs=scores or [])
         return gen, msg.id
 
     def _feed_closing(self, closing: list[int], segment: int) -> bool:

@@ -85,7 +85,7 @@ def _settings(args: argparse.Namespace, out: Path, policies: str | None = None) 
         seeds=args.seeds, gate=args.gate, protocols=protocols, model=args.model, temperature=args.temperature,
         max_tokens=args.max_tokens, n_ctx=args.n_ctx, threads=args.threads, shard=args.shard,
         plots=not args.no_plots, progress=not args.no_progress, command=command_line(getattr(args, "argv", None)),
-        generate_fillers=args.generate_fillers)
+        generate_fillers=args.generate_fillers, score_replies=args.score_replies)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
@@ -252,7 +252,8 @@ def _cmd_demo_long(args: argparse.Namespace) -> int:
             out=out, policies=policies, budgets=budgets, seeds=args.seeds, gate=args.gate,
             model=args.model or longchat.FIXTURE_MODEL, max_tokens=max_tokens, n_ctx=args.n_ctx,
             threads=args.threads, shard=args.shard, plots=not args.no_plots, progress=not args.no_progress,
-            generate_fillers=args.generate_fillers, command=command_line(getattr(args, "argv", None)),
+            generate_fillers=args.generate_fillers, score_replies=args.score_replies,
+            command=command_line(getattr(args, "argv", None)),
             extra_meta={"quick": bool(args.quick), "history": args.history})
         doc = longdemo.run(scripts, settings, _base_config(args))
     out.mkdir(parents=True, exist_ok=True)
@@ -280,8 +281,8 @@ def _cmd_demo_recall30(args: argparse.Namespace) -> int:
         out=out, policies=runner.parse_policies(args.policy), budgets=runner.parse_budgets(args.budget),
         seeds=1 if args.quick else args.seeds, gate=args.gate, model=args.model or recall30.FIXTURE_MODEL,
         max_tokens=args.max_tokens, threads=args.threads, plots=not args.no_plots, progress=not args.no_progress,
-        generate_fillers=args.generate_fillers, command=command_line(getattr(args, "argv", None)),
-        extra_meta={"demo": "recall30", "quick": bool(args.quick),
+        generate_fillers=args.generate_fillers, score_replies=args.score_replies,
+        command=command_line(getattr(args, "argv", None)), extra_meta={"demo": "recall30", "quick": bool(args.quick),
                     "fixtures": [str(recall30.fixture_path(s)) for s in seeds]})
     doc = batch.run(scripts, settings, _base_config(args))
     _emit(doc, args, out)
@@ -310,6 +311,10 @@ def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int) -> Non
     p.add_argument("--generate-fillers", action="store_true", dest="generate_fillers",
                    help="also answer every scripted turn (then restore the script's reply), so the answer-phase "
                         "certificate and confidence exist on fillers; the studies need it")
+    p.add_argument("--score-replies", action="store_true", dest="score_replies",
+                   help="record the model's teacher-forced log-probability of every scripted reply and report it "
+                        "by position in the chat (whether it stays coherent, e.g. past the trained context); "
+                        "slower turns")
     p.add_argument("--no-plots", action="store_true", dest="no_plots")
     p.add_argument("--no-progress", action="store_true", dest="no_progress")
 

@@ -458,9 +458,12 @@ class Engine:
 
     # -- prefill ---------------------------------------------------------------------------
     def feed(self, tokens: list[int], segment: int, logits_last: bool = True,
-             cancel: threading.Event | None = None, progress: Callable[[int], None] | None = None) -> float:
+             cancel: threading.Event | None = None, progress: Callable[[int], None] | None = None,
+             scores: list[float] | None = None) -> float:
         """Decode ``tokens`` at the next positions (teacher-forced); returns milliseconds. ``cancel`` is
-        checked before each batch (``InterruptedError``); ``progress(n)`` hears the tokens done after each."""
+        checked before each batch (``InterruptedError``); ``progress(n)`` hears the tokens done after each.
+        Given ``scores``, the log-probability of each token after the first, given everything before it, is
+        appended to it (every row's logits are then computed: slower, for studies of the model's fit)."""
         origin = self.next_pos
         if not tokens:
             self.fed(origin, tokens)
@@ -486,8 +489,13 @@ class Engine:
                 chunk = tokens[offset:end]
                 last_chunk = end >= len(tokens)
                 positions = list(range(self.next_pos, self.next_pos + len(chunk)))
-                self.batch.set(chunk, positions, self.SEQ, logits="last" if (logits_last and last_chunk) else "none")
+                rows = "all" if scores is not None else "last" if (logits_last and last_chunk) else "none"
+                self.batch.set(chunk, positions, self.SEQ, logits=rows)
                 self.ctx.decode(self.batch)
+                if scores is not None:
+                    # row i predicts the token after it: the next chunk's first token for the chunk's last row
+                    for i, token in enumerate(tokens[offset + 1:end + 1]):
+                        scores.append(_log_softmax_at(self.ctx.logits(i, copy=False), int(token)))
                 self.cache.append(chunk, self.next_pos, segment)
                 self.next_pos += len(chunk)
                 if progress is not None:

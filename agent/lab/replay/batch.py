@@ -49,6 +49,8 @@ class Settings:
     progress: bool = True
     generate_fillers: bool = False
     """Generate (then replace) the answer of every scripted turn, not only probes (for the studies)."""
+    score_replies: bool = False
+    """Record each scripted reply's teacher-forced log-probability (by position in the chat; slower turns)."""
     command: str = ""
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
@@ -103,7 +105,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
         "policies": settings.policies, "budgets": settings.budgets, "seeds": settings.seeds,
         "protocols": list(settings.protocols), "gate": settings.gate, "temperature": settings.temperature,
         "max_tokens": settings.max_tokens, "n_ctx": n_ctx, "generate_fillers": settings.generate_fillers,
-        "threads": cfg.threads, "shard": settings.shard,
+        "score_replies": settings.score_replies, "threads": cfg.threads, "shard": settings.shard,
         "commit": report.git_commit(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "scripts": [{"name": s.name, "source": s.source, "steps": len(s.steps), "probes": len(s.probes),
@@ -129,7 +131,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
                 advance(f"{job.script} · {job.policy} {job.budget} · seed {job.seed}")
 
             runner = Runner(cfg, engine, display, store, gate=settings.gate, on_step=on_step,
-                            generate_fillers=settings.generate_fillers)
+                            generate_fillers=settings.generate_fillers, score_replies=settings.score_replies)
             if observe is not None:
                 observe(runner)  # a study subscribes to the runner's, the engine's and each session's hooks
             for n, job in enumerate(jobs, start=1):

@@ -19,10 +19,14 @@ def _ignore(_: ev.Event) -> None:
     return None
 
 
-def forced(session: ChatSession, text: str, answer: str, on_event: EventSink = _ignore) -> ev.TurnResult:
-    """``answer`` enters the history as the reply to ``text`` (eviction, certificate and gate still run)."""
+def forced(session: ChatSession, text: str, answer: str, on_event: EventSink = _ignore,
+           scores: list[float] | None = None) -> ev.TurnResult:
+    """``answer`` enters the history as the reply to ``text`` (eviction, certificate and gate still run).
+    Given ``scores``, the model's log-probability of each of ``answer``'s tokens after the first is appended."""
     turn = session.begin_turn(text, on_event)
-    session.force_answer(turn, answer)
+    session.force_answer(turn, answer, score=scores is not None)
+    if scores is not None and turn.generation is not None:
+        scores.extend(turn.generation.logprobs)
     return session.finish_turn(turn, on_event)
 
 
@@ -38,12 +42,16 @@ def independent(session: ChatSession, text: str, on_event: EventSink = _ignore,
     return result
 
 
-def replaced(session: ChatSession, text: str, answer: str, on_event: EventSink = _ignore) -> ev.TurnResult:
+def replaced(session: ChatSession, text: str, answer: str, on_event: EventSink = _ignore,
+             scores: list[float] | None = None) -> ev.TurnResult:
     """Generate (and report) the reply to ``text``, then replace it in the cache and the log with ``answer``,
-    so every policy continues from the same history; the turn-end eviction runs after the replacement."""
+    so every policy continues from the same history; the turn-end eviction runs after the replacement. Given
+    ``scores``, the log-probabilities of ``answer``'s tokens after the first (teacher-forced) are appended."""
     turn = session.begin_turn(text, on_event)
     session.answer(turn, on_event)
     result = session.finish_turn(turn, on_event, evict=False)
-    session.replace_answer(turn, answer)
+    taken = session.replace_answer(turn, answer, score=scores is not None)
+    if scores is not None:
+        scores.extend(taken)
     session.evict_turn_end(turn, on_event)
     return result

@@ -36,6 +36,8 @@ DISTANCE_BUCKETS: tuple[tuple[int, int | None], ...] = ((2, 9), (10, 49), (50, 1
 MIB = 1 << 20
 TIME_BAR_SHARE = 0.10
 """A gated chat's mean turn time may exceed ungated eviction's by this share of the full cache's (issue 35)."""
+POSITION_BAND = 16_384
+"""Width, in tokens of the conversation, of the bands the scripted replies' log-probability is reported in."""
 
 
 def rss_bytes() -> int:
@@ -105,6 +107,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
         "scripts": [{"name": s.name, "source": s.source, "steps": len(s.steps), "probes": len(s.probes),
                      **({"meta": s.meta} if s.meta else {})} for s in scripts],
         "jobs": len(jobs), "demo": "long", "generate_fillers": settings.generate_fillers,
+        "score_replies": settings.score_replies,
         "host_memory": "resident set size sampled after each turn (/proc/self/statm): its peak in the run, "
                        "and that peak less the resident size when the run started",
         "design": {k: getattr(cfg, k) for k in ("sinks", "recent", "page_size", "top_share", "floor",
@@ -132,7 +135,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
 
     try:
         runner = Runner(cfg, engine, display, store, gate=settings.gate, on_step=on_step,
-                        generate_fillers=settings.generate_fillers)
+                        generate_fillers=settings.generate_fillers, score_replies=settings.score_replies)
         for n, job in enumerate(jobs, start=1):
             script = by_name[job.script]
             label = f"[{n}/{len(jobs)}] {job.script} · {job.policy} {job.budget} · seed {job.seed}"
@@ -195,6 +198,11 @@ def _bucket(distance: int) -> str:
     return f"<{DISTANCE_BUCKETS[0][0]}"
 
 
+def _band(index: int) -> str:
+    lo, hi = index * POSITION_BAND, (index + 1) * POSITION_BAND
+    return f"{lo // 1024}k–{hi // 1024}k"
+
+
 def _column(members: list[dict[str, Any]]) -> dict[str, Any]:
     """One (policy, budget) pooled over its runs (scripts and seeds)."""
     probes, qfill, other, times, probe_times = [], [], [], [], []
@@ -233,6 +241,13 @@ def _column(members: list[dict[str, Any]]) -> dict[str, Any]:
     decode_s = sum(s["decode_s"] for s in sums)
     decode_tokens = sum(s["decode_tokens"] for s in sums)
     rss = [b for r in members for b in r.get("rss_bytes", [])]
+    fit: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for run in members:
+        for st in run["steps"]:
+            if st.get("reply_scored_tokens"):
+                band = fit[int(st["history_tokens"]) // POSITION_BAND]
+                band[0] += float(st["reply_logprob_sum"])
+                band[1] += int(st["reply_scored_tokens"])
     deltas = [max(r["rss_bytes"]) - r.get("rss_start_bytes", 0) for r in members if r.get("rss_bytes")]
     return {
         "n_probes": len(scored), "n_correct": sum(bool(p["correct"]) for p in scored), "answers": answers,
@@ -240,6 +255,7 @@ def _column(members: list[dict[str, Any]]) -> dict[str, Any]:
         "recall_by_distance": {k: (sum(v), len(v)) for k, v in by_distance.items()},
         "recall_by_category": {k: (sum(v), len(v)) for k, v in by_category.items()},
         "recall_by_age": {k: (sum(v), len(v)) for k, v in sorted(by_age.items(), reverse=True)},
+        "reply_logprob_by_position": {_band(b): (total / n, int(n)) for b, (total, n) in sorted(fit.items()) if n},
         "gate_probes": _rate([bool(s["gate_fired"]) for s in probes]),
         "gate_qfillers": _rate([bool(s["gate_fired"]) for s in qfill]),
         "gate_other": _rate([bool(s["gate_fired"]) for s in other]),
@@ -352,6 +368,8 @@ def table(doc: dict[str, Any], footer: bool = True) -> str:
     buckets = [_bucket(lo) for lo, _ in DISTANCE_BUCKETS]
     cats = sorted({k for c in cols for k in c["recall_by_category"]})
     ages = sorted({k for c in cols for k in c.get("recall_by_age", {})}, reverse=True)
+    bands = sorted({k for c in cols for k in c.get("reply_logprob_by_position", {})},
+                   key=lambda k: int(k.split("k")[0]))
     body: list[tuple[str, list[str]]] = [
         ("recall", [_frac((c["n_correct"], c["n_probes"])) for c in cols]),
         ("paired with full: both / full only / this only / neither", [_paired_words(full, c)[0] for c in cols]),
@@ -360,6 +378,9 @@ def table(doc: dict[str, Any], footer: bool = True) -> str:
           if any(b in c["recall_by_distance"] for c in cols)],
         *[(f"recall, {k} probes", [_frac(c["recall_by_category"].get(k)) for c in cols]) for k in cats],
         *[(f"recall, facts {k}", [_frac(c["recall_by_age"].get(k)) for c in cols]) for k in ages],
+        *[(f"scripted replies' log-prob per token, conversation tokens {k}",
+           [_num(c["reply_logprob_by_position"][k][0], 3) if k in c.get("reply_logprob_by_position", {}) else "—"
+            for c in cols]) for k in bands],
         ("gate rate: probes / question fillers / other turns",
          [f"{_pct(c['gate_probes'])} / {_pct(c['gate_qfillers'])} / {_pct(c['gate_other'])}" for c in cols]),
         ("tokens re-read (re-prefilled)", [_num(c["reprefill_tokens"]) for c in cols]),

@@ -212,7 +212,8 @@ class Runner:
     """Runs jobs on one engine (loaded once) and one SQLite log."""
 
     def __init__(self, base: Config, engine: Any, model_name: str, store: Any, gate: str = "auto",
-                 on_step: Callable[[Job, Step], None] | None = None, generate_fillers: bool = False) -> None:
+                 on_step: Callable[[Job, Step], None] | None = None, generate_fillers: bool = False,
+                 score_replies: bool = False) -> None:
         self.base = base
         self.engine = engine
         self.model_name = model_name
@@ -222,6 +223,10 @@ class Runner:
         self.generate_fillers = generate_fillers
         """Answer every user line (then put the script's reply in its place), not only probes: the
         answer-phase certificate and the output confidence then exist on filler turns too."""
+        self.score_replies = score_replies
+        """Record the model's teacher-forced log-probability of every scripted reply (``reply_logprob_sum`` over
+        ``reply_scored_tokens``, each token after the reply's first): how well the model still predicts the
+        conversation at each position. Every reply row's logits are computed, so turns are slower."""
         self.template: Any = None
         """The chat markup each session uses when not the model's own (a study gives a base model one)."""
         self.job_started: ev.Hook[[Job, Script]] = ev.Hook()
@@ -277,7 +282,7 @@ class Runner:
 
     # -- one step ----------------------------------------------------------------------
     def _send(self, session: Any, step: Step, script: Script, mode: str = "send",
-              answer: str | None = None) -> tuple[Any, _Watch]:
+              answer: str | None = None, scores: list[float] | None = None) -> tuple[Any, _Watch]:
         """One step on the session: ``mode`` is send, forced, replaced or independent (see ``agent.lab.replay.drive``);
         ``answer``: the text a forced or replaced answer becomes (default: the script's)."""
         from agent.chat.session import InputError  # noqa: PLC0415
@@ -301,9 +306,9 @@ class Runner:
         try:
             text = answer if answer is not None else step.assistant or ""
             if mode == "forced":
-                result = drive.forced(session, step.user, text, on_event=sink)
+                result = drive.forced(session, step.user, text, on_event=sink, scores=scores)
             elif mode == "replaced":
-                result = drive.replaced(session, step.user, text, on_event=sink)
+                result = drive.replaced(session, step.user, text, on_event=sink, scores=scores)
             elif mode == "independent":
                 result = drive.independent(session, step.user, on_event=sink)
             else:
@@ -315,15 +320,19 @@ class Runner:
 
     def _step(self, session: Any, step: Step, script: Script) -> dict[str, Any]:
         history = self.engine.log_position(self.engine.next_pos)
+        scores: list[float] | None = [] if self.score_replies and step.assistant is not None else None
         if step.independent:
             result, watch = self._send(session, step, script, "independent")
         elif step.assistant is not None and (step.probe is not None or self.generate_fillers):
-            result, watch = self._send(session, step, script, "replaced")
+            result, watch = self._send(session, step, script, "replaced", scores=scores)
         elif step.assistant is not None:
-            result, watch = self._send(session, step, script, "forced")
+            result, watch = self._send(session, step, script, "forced", scores=scores)
         else:
             result, watch = self._send(session, step, script)
-        return self._record(step, script, result, watch, history)
+        record = self._record(step, script, result, watch, history)
+        if scores is not None and not step.independent:
+            record.update(reply_logprob_sum=float(sum(scores)), reply_scored_tokens=len(scores))
+        return record
 
     def _one_shot_probe(self, session: Any, step: Step, cfg: Config, full_cfg: Config,
                         script: Script) -> dict[str, Any]:
@@ -363,7 +372,8 @@ class Runner:
             "reread_path": result.reread_path, "reread_messages": list(result.reread_messages),
             "answer_tokens": 0 if forced else result.answer_tokens,
             "decode_ms": 0.0 if forced else result.decode_ms,
-            "prefill_ms": result.prefill_ms, "logprob_mean": result.logprob_mean, "stop": result.stop,
+            "prefill_ms": result.prefill_ms, "logprob_mean": None if forced else result.logprob_mean,
+            "stop": result.stop,
         }
         if not forced and step.probe is None:
             record["answer"] = result.answer
