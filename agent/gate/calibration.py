@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -72,6 +73,11 @@ class Adaptive:
         return float(np.median(np.asarray(recent[-self.window:], dtype=np.float64)))
 
 
+def breach(value: float | None, tau: float | None) -> bool:
+    """Whether a reading reaches τ; a non-finite one does (the gate fails closed on a broken certificate)."""
+    return value is not None and tau is not None and (not math.isfinite(value) or value >= tau)
+
+
 def adaptive_tau(tau: float, recent: Sequence[float], rule: Adaptive | None) -> float:
     """The threshold of the next turn, given the conversation's earlier turn statistics (oldest first)."""
     if rule is None or not recent:
@@ -88,6 +94,14 @@ class SecondSignal:
     statistic: str
     tau: float
     min_sampled: int = 0
+
+    def applies(self, sampled_cells: int) -> bool:
+        """Whether the statistic is read at all with this many cells in the kept sample."""
+        return sampled_cells >= self.min_sampled
+
+    def fires(self, value: float | None, sampled_cells: int) -> bool:
+        """Whether the second signal fires on its own: read, and reaching its τ."""
+        return self.applies(sampled_cells) and breach(value, self.tau)
 
 
 @dataclass(frozen=True)

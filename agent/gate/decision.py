@@ -412,7 +412,7 @@ class Gate:
         return self.settings.answer_certificate or self.statistic.startswith("answer.")
 
     def _breach(self, value: float | None, tau: float | None) -> bool:
-        return value is not None and tau is not None and (not math.isfinite(value) or value >= tau)
+        return calibration.breach(value, tau)
 
     # -- the turn's certificates ---------------------------------------------------------
     def begin_turn(self) -> TurnCertificates:
@@ -635,10 +635,11 @@ class Gate:
         if self._breach(value, tau):
             return GateDecision(value, tau, fire=True)
         second = self.settings.second
-        if second is not None and tau is not None and (self.turn.sampled_cells or 0) >= second.min_sampled:
+        sampled = self.turn.sampled_cells or 0
+        if second is not None and tau is not None and second.applies(sampled):
             # read in the form shown: the one the calibration chats recorded it in
             other = self.turn.statistics().get(second.statistic)
-            if self._breach(other, second.tau):
+            if second.fires(other, sampled):
                 return GateDecision(other, second.tau, fire=True, second=second.statistic)
         return GateDecision(value, tau, fire=False)
 

@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from agent.config import DEFAULT_EVICT_AT
+from agent.gate import calibration
 from agent.lab.replay import aggregate
 from agent.lab.replay.longdemo import TIME_BAR_SHARE
 from agent.lab.replay.rank_stats import paired_difference
@@ -64,6 +66,8 @@ class Script:
 
 @dataclass(frozen=True)
 class Rule:
+    """A candidate gate rule; it fires through the product's own rule (:mod:`agent.gate.calibration`)."""
+
     floor: float
     factor: float
     window: int
@@ -72,15 +76,21 @@ class Rule:
     min_sampled: int = 0
     """The second statistic is read only where the kept sample holds at least this many cells."""
 
+    @classmethod
+    def of(cls, gate: calibration.GateCalibration) -> "Rule":
+        """A calibrated gate's rule: its floor, its adaptive rule and its second signal."""
+        adaptive, second = gate.adaptive(gate.statistic), gate.second()
+        return cls(gate.tau, adaptive.factor if adaptive else 0.0, adaptive.window if adaptive else 1,
+                   second.tau if second else math.inf, second.min_sampled if second else 0)
+
     def fires(self, readings: Sequence[tuple[float | None, bool, float | None, int]]) -> list[bool]:
+        adaptive = calibration.Adaptive(self.factor, self.window) if self.factor > 0 else None
+        second = calibration.SecondSignal("", self.second_tau, self.min_sampled)
         recent: list[float] = []
         out = []
-        for value, uncertified, second, sampled in readings:
-            bar = self.floor
-            if recent:
-                bar = max(bar, self.factor * float(np.median(np.asarray(recent[-self.window:]))))
-            out.append(uncertified or (value is not None and value >= bar)
-                       or (second is not None and sampled >= self.min_sampled and second >= self.second_tau))
+        for value, uncertified, other, sampled in readings:
+            bar = calibration.adaptive_tau(self.floor, recent, adaptive)
+            out.append(uncertified or calibration.breach(value, bar) or second.fires(other, sampled))
             if value is not None:
                 recent.append(value)
         return out
@@ -222,16 +232,14 @@ def table(scripts: Sequence[Script], rules: Sequence[Rule], shipped: Rule | None
 
 
 def shipped_rule(model: str) -> tuple[Rule | None, str]:
-    """The model's shipped rule and the statistic of its second signal ("" if none)."""
-    path = Path(__file__).resolve().parents[1] / "gate" / "calibrations" / f"{model}.json"
-    if not path.exists():
+    """The model's shipped rule (for the default ``evict_at``, which the long-chat runs ran) and the statistic of
+    its second signal ("" if none)."""
+    gates = [g for m in calibration.read(calibration.SHIPPED_DIR / f"{model}.json") for g in m.gates
+             if g.record.get("evict_at") == DEFAULT_EVICT_AT]
+    if not gates:
         return None, ""
-    gate = json.loads(path.read_text(encoding="utf-8"))["calibrations"][0]
-    adaptive = gate.get("adaptive") or {}
-    second = gate.get("second") or {}
-    rule = Rule(float(gate["tau"]), float(adaptive.get("factor", 0.0)), int(adaptive.get("window", 1)),
-                float(second.get("tau", math.inf)), int(second.get("min_sampled", 0)))
-    return rule, str(second.get("statistic", ""))
+    second = gates[0].second()
+    return Rule.of(gates[0]), second.statistic if second else ""
 
 
 def _floats(text: str) -> list[float]:
@@ -289,8 +297,6 @@ def main(argv: list[str] | None = None) -> int:
 def write_second(record: Path, statistic: str, tau: float, percentile: float, min_sampled: int,
                  folders: Sequence[Path], argv: list[str] | None) -> None:
     """Put the second signal into the record's gate for the runs' ``evict_at``, saying what fitted it."""
-    from agent.config import DEFAULT_EVICT_AT  # noqa: PLC0415 (the long-chat runs ran the default)
-
     data = json.loads(record.read_text(encoding="utf-8"))
     gates = [g for g in data["calibrations"] if g.get("evict_at", DEFAULT_EVICT_AT) == DEFAULT_EVICT_AT]
     if not gates:
