@@ -197,6 +197,10 @@ class Config:
         return merged
 
     def validate(self) -> None:
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if spec.type in (bool, "bool") and not isinstance(value, bool):
+                raise ConfigError(f"{spec.name}: must be true or false, got {value!r}")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -238,6 +238,12 @@ def test_policy_variants() -> None:
             runner.parse_policies(bad)
     cfg = runner.policy_config(base, Job("s", "poisson+gate@gate=0.45", "10%", 0), gate="0.3")
     assert cfg.gate == "0.45"
+    # a switch is parsed, not kept as a (truthy) string
+    for word, on in (("false", False), ("off", False), ("true", True), ("1", True)):
+        cfg = runner.policy_config(base, Job("s", f"poisson+gate@frame_shift={word}", "10%", 0), gate="0.3")
+        assert cfg.frame_shift is on
+    with pytest.raises(runner.RunError, match="frame_shift needs true or false, got 'maybe'"):
+        runner.parse_policies("poisson@frame_shift=maybe")
     jobs = runner.plan_jobs([script.Script("a", None, (script.Step(1, "hi", 1),))],
                             ["full@max_tokens=8", "topk"], ["10%"], seeds=2)
     assert [(j.policy, j.budget) for j in jobs] == [("full@max_tokens=8", "100%"), ("topk", "10%")]

@@ -73,10 +73,20 @@ def variant_overrides(name: str) -> dict[str, Any]:
             raise RunError(f"--policy {name!r}: a variant is NAME@KEY=VALUE with KEY one of {allowed}")
         kind = hints[key]
         try:
-            out[key] = int(raw) if kind is int else float(raw) if kind is float else raw
+            out[key] = _flag(raw) if kind is bool else int(raw) if kind is int else float(raw) if kind is float else raw
         except ValueError:
-            raise RunError(f"--policy {name!r}: {key} needs a {kind.__name__}, got {raw!r}") from None
+            need = "true or false" if kind is bool else f"a {kind.__name__}"
+            raise RunError(f"--policy {name!r}: {key} needs {need}, got {raw!r}") from None
     return out
+
+
+def _flag(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in ("true", "on", "yes", "1"):
+        return True
+    if word in ("false", "off", "no", "0"):
+        return False
+    raise ValueError(raw)
 
 
 def parse_policies(text: str) -> list[str]:
