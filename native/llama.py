@@ -169,6 +169,17 @@ class Model:
             self._lib.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", errors="replace")
 
+    def head_dims(self) -> tuple[int, int] | None:
+        """The size of one key head and one value head (GGUF ``attention.key_length`` / ``value_length``, else
+        n_embd / n_head); None for a model without attention heads."""
+        info = self.info()
+        if info.n_head <= 0:
+            return None
+        arch = self.meta("general.architecture") or ""
+        plain = info.n_embd // info.n_head
+        key, value = self.meta(f"{arch}.attention.key_length"), self.meta(f"{arch}.attention.value_length")
+        return (int(key) if key and key.isdigit() else plain, int(value) if value and value.isdigit() else plain)
+
     def rope(self) -> "rope.RopeSpec | None":
         """How the model rotates its full-attention layers' query and key rows; None where certchat cannot rotate
         them itself (no RoPE, M-RoPE, or a scaling such as YaRN that changes each dimension differently)."""
@@ -179,10 +190,8 @@ class Model:
         scaling = (self.meta(f"{arch}.rope.scaling.type") or "none").lower()
         if scaling not in ("none", "linear"):
             return None
-        info = self.info()
-        head_dim = info.n_embd // max(1, info.n_head)
-        key_len = self.meta(f"{arch}.attention.key_length")
-        head_dim = int(key_len) if key_len and key_len.isdigit() else head_dim
+        dims = self.head_dims()
+        head_dim = dims[0] if dims else 0
         n_rot = self.meta(f"{arch}.rope.dimension_count")
         base = self.meta(f"{arch}.rope.freq_base")
         try:

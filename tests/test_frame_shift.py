@@ -256,6 +256,54 @@ def test_after_a_frame_shift_a_reread_lands_where_its_message_belongs(evicting) 
     assert int((engine.sketch.messages == 1).sum()) == stored and engine.sketch.n_tokens == total
 
 
+def test_after_a_frame_shift_evicted_rows_come_back_rotated_as_llama_cpp_rotates_a_live_cell(evicting) -> None:
+    """The rows kept of evicted cells move with the frame: their keys rotated as llama.cpp's own shift rotates a
+    live cell's, those of the packed zone let go; a re-read of a moved message is then a copy, and the question
+    reads it as it does when the unshifted cache copies it back."""
+    engine, unshifted = evicting
+    middle = _tok(engine, MIDDLE)
+    try:
+        for e in (engine, unshifted):
+            e.keep_rows(64)
+        spans = _history(unshifted, 300)
+        for p0, p1 in unshifted.evicted_runs(2):
+            unshifted.reinsert(middle[p0 - spans[2][0]:p1 - spans[2][0]], p0, 2)
+        assert unshifted.copied_tokens > 0
+        logits_unshifted, _ = _ask(unshifted)
+
+        _history(engine, 300)
+        assert engine.rows is not None and len(engine.rows) == len(_tok(engine, OLD)) + sum(
+            p1 - p0 for p0, p1 in engine.evicted_runs(2))
+        live = spans[3][0]  # LATER's first cell: moved by llama.cpp's K-shift
+        row_before = engine.ctx.kv_rows(Engine.SEQ, [live])
+        shift = engine.shift_frame(4, spans[2][0])
+        row_llama = engine.ctx.kv_rows(Engine.SEQ, [live - shift.delta])
+        ours = engine._rotate_row_keys(row_before, -shift.delta)
+        assert ours is not None
+        width = row_before.shape[1] // engine.info.n_layer // 2  # bytes of one layer's K row (F16)
+        k_ours, k_llama, k_before = (r.reshape(engine.info.n_layer, 2, width)[:, 0].view(np.float16).astype(np.float64)
+                                     for r in (ours, row_llama, row_before))
+        v_ours, v_llama = (r.reshape(engine.info.n_layer, 2, width)[:, 1] for r in (ours, row_llama))
+        assert np.array_equal(v_ours, v_llama)  # values are not rotated
+        scale = np.linalg.norm(k_llama)
+        assert np.linalg.norm(k_ours - k_llama) / scale < 2e-3 < np.linalg.norm(k_before - k_llama) / scale
+        # OLD's rows went with its place; MIDDLE's moved down
+        moved = engine.evicted_runs(2)
+        assert len(engine.rows) == sum(p1 - p0 for p0, p1 in moved)
+        first = engine.cache.spans[2][0]
+        copied = engine.copied_tokens
+        for p0, p1 in moved:
+            engine.reinsert(middle[p0 - first:p1 - first], p0, 2)
+        assert engine.copied_tokens - copied == sum(p1 - p0 for p0, p1 in moved)  # copied, none decoded
+        logits_shifted, _ = _ask(engine)
+        spread = float(logits_unshifted.max() - logits_unshifted.min())
+        assert float(np.abs(logits_shifted - logits_unshifted).max()) < 0.1 * spread
+        assert int(np.argmax(logits_shifted)) == int(np.argmax(logits_unshifted))
+    finally:
+        for e in (engine, unshifted):
+            e.keep_rows(0)
+
+
 FACTS = ["My locker code is 4172, remember it.", "My cat is called Purrnickel.", "I go sailing on Lake Constance.",
          "The team meeting moved to Thursday at nine.", "My sister lives in Porto and teaches maths."]
 QUESTIONS = ["What is my locker code?", "What is my cat called?", "Where do I go sailing?", "When is the meeting?"]

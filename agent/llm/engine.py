@@ -23,7 +23,7 @@ import numpy as np
 
 from agent.events import Hook
 from agent.llm.evicted_rows import EvictedRows
-from native import llama, patched
+from native import llama, patched, rope
 from native.sketch import EvictedKeySketch, SketchRows
 
 if TYPE_CHECKING:
@@ -241,6 +241,23 @@ class Engine:
             except patched.PatchError:
                 return  # iSWA or recurrent memory: re-reads decode, as without the rows
             self.rows = EvictedRows(row_bytes, budget_mb << 20)
+
+    def _rotate_row_keys(self, rows: np.ndarray, offset: int) -> np.ndarray | None:
+        """``rows`` (as :meth:`kv_rows` reads them) with every layer's key rotated by ``offset`` positions, as
+        llama.cpp's K-shift rotates a live cell; None where the row is not F16 keys and values of one head size
+        in every layer (a quantised or mixed cache: its rows are then let go at a shift)."""
+        info, spec = self.info, self.rope
+        head_dim = self.model.head_dims()
+        if spec is None or head_dim is None or head_dim[0] != head_dim[1] or head_dim[0] < spec.n_rot \
+                or rows.shape[1] != 4 * info.n_layer * info.n_head_kv * head_dim[0]:
+            return None
+        width = info.n_head_kv * head_dim[0]
+        out = np.array(rows, dtype=np.uint8, copy=True)
+        layers = out.reshape(len(out), info.n_layer, 2, width * 2)  # per layer: K row then V row, F16
+        for first in range(0, len(out), 4096):  # bounded scratch: rope.rotate works in float64
+            keys = layers[first:first + 4096, :, 0].view(np.float16)
+            keys[...] = rope.rotate(keys.astype(np.float32), head_dim[0], spec, offset).astype(np.float16)
+        return out
 
     def close(self) -> None:
         """Free in dependency order: batch, context, model."""
@@ -623,7 +640,8 @@ class Engine:
         leaves), so the recent history keeps its distances exactly. Messages with positions in [low, cut) lose
         their span (:attr:`homeless`: a re-read feeds them at fresh positions); the sketch's keys, rotated where
         they were evicted, are scored as lying ``delta`` further (``EvictedKeySketch.shift``), so a message's
-        reading does not change; the evicted rows, rotated at their old positions, are let go (re-reads decode).
+        reading does not change; the evicted rows move with their positions, keys re-rotated
+        (:meth:`_rotate_row_keys`), and those of the packed zone go (their messages are re-read fresh).
         The log keeps the conversation's positions (:attr:`frame_offset`). The shift is applied at once (the newest
         cell is decoded again), so every later read, snapshot or saved state sees rotated keys."""
         live = np.asarray(self.cache.positions, dtype=np.int64)
@@ -668,7 +686,7 @@ class Engine:
         self._reinserted = live_map(self._reinserted) if len(self._reinserted) else self._reinserted
         self._transient = live_map(self._transient) if len(self._transient) else self._transient
         if self.rows is not None:
-            self.rows.clear()
+            self.rows.shift(low, cut, delta, self._rotate_row_keys)
         self.next_pos -= delta
         self.frame_offset += delta
         self._redecode_newest()

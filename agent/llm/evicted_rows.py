@@ -9,7 +9,7 @@ rows evicted longest ago go first.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -80,3 +80,25 @@ class EvictedRows:
 
     def clear(self) -> None:
         self._rows.clear()
+
+    def shift(self, low: int, cut: int, delta: int,
+              rotate: Callable[[np.ndarray, int], np.ndarray | None] | None) -> None:
+        """Follow the cache's frame shift (``Engine.shift_frame``): rows of positions in [low, cut) go (their
+        messages have no place left), rows from ``cut`` on move down by ``delta``, their keys rotated by −delta
+        (``rotate(rows, offset)``: the rows with every layer's key rotated by ``offset`` positions, or None where
+        it cannot), so that a row put back at its new position is the one a cell there would hold. Without a
+        rotation every row from ``low`` on goes. The oldest-first order the budget trims by is kept."""
+        moved = [p for p in self._rows if p >= cut]
+        rotated = None
+        if moved and rotate is not None:
+            rows = np.frombuffer(b"".join(self._rows[p][1] for p in moved), dtype=np.uint8)
+            rotated = rotate(rows.reshape(len(moved), self.row_bytes), -delta)
+        new_rows = rotated if rotated is not None else None
+        at = {p: i for i, p in enumerate(moved)}
+        kept: dict[int, tuple[int, bytes]] = {}
+        for p, (token, row) in self._rows.items():
+            if p < low:
+                kept[p] = (token, row)
+            elif p >= cut and new_rows is not None:
+                kept[p - delta] = (token, new_rows[at[p]].tobytes())
+        self._rows = kept
