@@ -425,11 +425,29 @@ def test_export_markdown_and_jsonl_then_replay(make_app: MakeApp, tmp_path: Path
         replayed = store.messages(app.conversation_id)
         assert [m.content for m in replayed if m.role == "user"] == ["First question.", "Second question."]
         assert [m.status for m in replayed if m.role == "assistant"] == ["complete", "complete"]
+        # the script's replies went in as written, and show as the answers
+        original = [m.content for m in store.messages(source) if m.role == "assistant"]
+        assert [m.content for m in replayed if m.role == "assistant"] == original
+        assert [v.text for v in views(app) if v.role == "assistant"][-2:] == original
         assert store.get_conversation(app.conversation_id).title.startswith("replay: ")
         assert "replay 2/2" in screen_text(app)
         assert any("replay finished after 2 turns" in n for n in notes(app))
 
     drive(app, scenario)
+
+
+def test_a_replayed_script_keeps_its_replies_and_the_model_answers_its_probes() -> None:
+    from tui.backend import replay_turns
+
+    items = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "My code is 4172."}, {"role": "assistant", "content": "Noted."},
+             {"role": "user", "content": "Hello?"},
+             {"role": "user", "content": "What is my code?", "meta": {"probe": {"expect": ["4172"], "fact_turn": 1}}},
+             {"role": "assistant", "content": "4172."},
+             {"role": "user", "content": "And again?", "meta": {"independent": True}},
+             {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Bye!"}]
+    assert replay_turns(items) == [("My code is 4172.", "Noted."), ("Hello?", None), ("What is my code?", None),
+                                   ("And again?", None), ("Bye.", "Bye!")]
 
 
 def test_bad_replay_script_and_too_long_message_are_notifications(make_app: MakeApp, tmp_path: Path) -> None:

@@ -526,7 +526,8 @@ class CertchatApp(App[int]):
                 self._start("replaying", lambda cancel: backend.replay(path, self._emit, cancel))
 
         self.push_screen(InputDialog("Replay a script (JSONL) into a new chat", "",
-                                     hint="its user lines are sent one by one; Esc stops", validate=check), done)
+                                     hint="turn by turn: its replies as written, the model answers probes and "
+                                          "unanswered lines; Esc stops", validate=check), done)
 
     def action_show_logs(self) -> None:
         self.push_screen(LogsScreen())
@@ -573,7 +574,7 @@ class CertchatApp(App[int]):
                     lambda: self.action_export("markdown")),
             Command("Export JSONL", "write the conversation as replay JSONL" + key("export_jsonl"),
                     lambda: self.action_export("jsonl")),
-            Command("Replay a script", "send a JSONL script's user lines into a new chat" + key("replay"),
+            Command("Replay a script", "a JSONL script into a new chat, turn by turn" + key("replay"),
                     self.action_replay),
             Command("Show logs", "certchat's log and the build logs" + key("show_logs"), self.action_show_logs),
             Command("Help", "keys, binding ids and the memory panel" + key("help"), self.action_help),

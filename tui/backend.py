@@ -223,10 +223,12 @@ class Backend:
             return self._send(messages[last].content, emit, cancel, None)
 
     def replay(self, path: Path, emit: Emit, cancel: threading.Event) -> ReplayFinished:
-        """Send a replay script's user lines, one turn each, into a new conversation."""
+        """Replay a script into a new conversation, one turn per user line: a reply the script gives enters as
+        written (teacher-forced, as ``certchat replay`` does, so a long script goes in at the cost of reading it);
+        the model answers a probe, and a user line the script leaves unanswered."""
         header, items = export.read_jsonl(path)
-        users = [item["content"] for item in items if item["role"] == "user"]
-        if not users:
+        turns = replay_turns(items)
+        if not turns:
             raise ValueError(f"{path}: the script has no user lines to replay")
         system = next((item["content"] for item in items if item["role"] == "system"), None)
         title = header.get("title") if isinstance(header.get("title"), str) else path.stem
@@ -244,12 +246,30 @@ class Backend:
                 cid = s.new_conversation(title=f"replay: {title}")
             emit(self._shown())
             done = 0
-            for n, text in enumerate(users, start=1):
+            for n, (text, reply) in enumerate(turns, start=1):
                 if cancel.is_set():
                     break
-                self._send(text, emit, cancel, (n, len(users)))
+                if reply is None:
+                    self._send(text, emit, cancel, (n, len(turns)))
+                else:
+                    self._as_written(text, reply, emit, cancel, (n, len(turns)))
                 done = n
-            return ReplayFinished(cid, done, cancelled=done < len(users))
+            return ReplayFinished(cid, done, cancelled=done < len(turns))
+
+    def _as_written(self, text: str, reply: str, emit: Emit, cancel: threading.Event,
+                    replay: tuple[int, int]) -> ev.TurnResult:
+        """One scripted turn: ``text`` read (evicting and gating as a live turn does), ``reply`` its answer."""
+        s = self._session()
+        emit(TurnBegins(text, *replay))
+        self._title_from(text)
+        try:
+            turn = s.begin_turn(text, on_event=emit, cancel=cancel)
+        except InterruptedError:
+            emit(self._shown())  # as a cancelled send: the message is logged unanswered
+            raise
+        s.force_answer(turn, reply)
+        emit(ev.TextDelta(reply))
+        return s.finish_turn(turn, on_event=emit)
 
     # -- reading ----------------------------------------------------------------------------
     def export(self, conversation_id: int, path: Path, fmt: str) -> Path:
@@ -263,6 +283,21 @@ class Backend:
             else:
                 raise ValueError(f"unknown export format {fmt!r} (markdown or jsonl)")
         return path
+
+
+def replay_turns(items: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+    """A script's turns: each user line with the reply that follows it, or None where the model is to answer (a
+    probe or an independent line, whose scripted answer is set aside, or a line with no reply)."""
+    turns: list[tuple[str, str | None]] = []
+    for i, item in enumerate(items):
+        if item["role"] != "user":
+            continue
+        after = items[i + 1] if i + 1 < len(items) else None
+        meta = item.get("meta") or {}
+        asked = "probe" in meta or bool(meta.get("independent"))
+        reply = after["content"] if after is not None and after["role"] == "assistant" and not asked else None
+        turns.append((item["content"], reply))
+    return turns
 
 
 def _message_item(m: Message) -> dict[str, Any]:
