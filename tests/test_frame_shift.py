@@ -309,17 +309,19 @@ FACTS = ["My locker code is 4172, remember it.", "My cat is called Purrnickel.",
 QUESTIONS = ["What is my locker code?", "What is my cat called?", "Where do I go sailing?", "When is the meeting?"]
 
 
-@pytest.mark.parametrize("gate", ["off", "0"])
+@pytest.mark.parametrize(("gate", "rows_mb"), [("off", 0), ("0", 0), ("0", 64)])
 def test_an_evicting_chat_past_the_trained_context_moves_its_frame_and_goes_on(small_model: Path, tmp_path: Path,
-                                                                              gate: str) -> None:
+                                                                              gate: str, rows_mb: int) -> None:
     """The model's trained context made short (400 positions) so that a few turns run past it: the frame moves
     down before they would, the sinks stay, the log keeps the conversation's positions; with the gate at τ = 0
-    every turn re-reads, messages packed away come back at fresh positions, and the chat goes on."""
+    every turn re-reads, messages packed away come back at fresh positions, and the chat goes on. With the evicted
+    rows kept, a firing after the shift still copies the history back (all but what the shift packed away)."""
     engine = Engine(EngineSettings(model_path=small_model, n_ctx=1024, n_batch=256, threads=2))
     engine.info = dataclasses.replace(engine.info, n_ctx_train=400)
     try:
         config = Config(model="smollm2-135m", n_ctx=1024, n_batch=256, policy="poisson", budget="25%", gate=gate,
-                        max_tokens=16, temperature=0.0, seed=0, evict_from=0, evicted_rows_mb=0, reread_budget=48)
+                        max_tokens=16, temperature=0.0, seed=0, evict_from=0, evicted_rows_mb=rows_mb,
+                        reread_budget=48)
         db = tmp_path / "log.db"
         saver = resume.Saver(SavedStates.beside(db, 64), "smollm2", "patch-level")
         session = ChatSession(config, Store(db), engine, "smollm2-135m", saver=saver)
@@ -344,6 +346,8 @@ def test_an_evicting_chat_past_the_trained_context_moves_its_frame_and_goes_on(s
         assert [p + engine.frame_offset for p in engine.cache.positions[-n:]] == [int(p) for p in positions[-n:]]
         if gate == "0":
             assert engine.homeless and any(r.gate_fired for r in results[-4:])
+            paths = {r.reread_path for r in results[-4:]}
+            assert paths == ({"copied"} if rows_mb else {"targeted"}), paths
         assert all(r.answer_tokens > 0 for r in results)
         cache = (list(engine.cache.positions), engine.frame_offset, set(engine.homeless),
                  engine.sketch.lags.tolist() if engine.sketch is not None else [])

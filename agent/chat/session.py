@@ -654,7 +654,7 @@ class ChatSession:
         assert decision.value is not None and decision.threshold is not None
         why_full = "mid-answer breach"
         if phase == "question":
-            copied = self._plan_copied(turn) if self.config.copy_back != "named" else None
+            copied = self._plan_copied(turn, decision) if self.config.copy_back != "named" else None
             if copied is not None:
                 self._reread_copied(turn, decision, copied, on_event, cancel)
                 return
@@ -674,12 +674,13 @@ class ChatSession:
         self._record_reread(turn, decision, "full", [m.id for m in plan.messages], plan.prefill_tokens,
                             plan.restored_tokens)
 
-    def _plan_copied(self, turn: Turn) -> TargetedRead | None:
+    def _plan_copied(self, turn: Turn, decision: GateDecision) -> TargetedRead | None:
         history = self.store.history(self.conversation_id)
         logged = {m.index: m for m in _readable(history.messages, turn.user.id)}
         # the question comes out and goes back in; the answer needs its room too
         most = WHOLE_REREAD_FACTOR * self.config.reread_budget if self.config.copy_back == "auto" else None
-        return self.gate.plan_copied(logged, self.engine, self.engine.free_cells() - self.config.max_tokens, most)
+        return self.gate.plan_copied(logged, self.engine, self.engine.free_cells() - self.config.max_tokens, most,
+                                     decision)
 
     def _reread_copied(self, turn: Turn, decision: GateDecision, plan: TargetedRead, on_event: EventSink,
                        cancel: threading.Event | None) -> None:
@@ -688,11 +689,12 @@ class ChatSession:
         history's cache at the cost of a copy. At the turn's end they are evicted again
         (``Engine.evict_reinserted``)."""
         assert decision.value is not None and decision.threshold is not None
-        on_event(ev.GateFired("question", decision.value, decision.threshold, len(turn.tokens),
-                              uncertified=decision.uncertified, restored_tokens=plan.tokens,
+        fresh = sum(len(m.tokens) for m in plan.fresh)  # packed away by a frame shift: fed, not copied
+        on_event(ev.GateFired("question", decision.value, decision.threshold, len(turn.tokens) + fresh,
+                              uncertified=decision.uncertified, restored_tokens=plan.tokens - fresh,
                               points_at=self._points_at(), question_tokens=len(turn.tokens), second=decision.second))
         self._put_back(turn, plan, on_event, cancel, readout=False)
-        self._record_reread(turn, decision, "copied", plan.ids, len(turn.tokens), restored=plan.tokens,
+        self._record_reread(turn, decision, "copied", plan.ids, len(turn.tokens) + fresh, restored=plan.tokens - fresh,
                             indices=plan.indices)
 
     def _plan_targeted(self, decision: GateDecision, turn: Turn) -> tuple[TargetedRead | None, str]:

@@ -732,18 +732,23 @@ class Gate:
         return TargetedRead(plan, fresh), ""
 
     def plan_copied(self, logged: dict[int, Any], engine: "Engine", free_cells: int,
-                    most: int | None = None) -> TargetedRead | None:
+                    most: int | None = None, decision: GateDecision | None = None) -> TargetedRead | None:
         """Every evicted token of the history back from the engine's evicted rows (a copy, no decode), when the
         rows hold all of them for the log's tokens and the cache has room: the question then reads the cache the
         full history made, whatever the gate read. None where any is missing (the row budget let it go, the chat
-        was reopened since), the cache and the log disagree, or more than ``most`` tokens are evicted."""
+        was reopened since), the cache and the log disagree, or more than ``most`` tokens are evicted.
+
+        After a frame shift the messages it packed away have no place to be copied to: the copy holds every other
+        message, and those of them the firing ``decision`` names (as :meth:`plan_targeted` would) are fed whole at
+        fresh positions, within ``reread_budget``."""
         rows = engine.rows
-        if rows is None or engine.homeless:
-            # a frame shift let the rows go, and some messages have no place to be copied back to
+        if rows is None:
             return None
         plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
         need = 0
         for index, message in sorted(logged.items()):
+            if index in engine.homeless:
+                continue
             runs = engine.evicted_runs(index)
             if not runs:
                 continue
@@ -757,7 +762,32 @@ class Gate:
             plan.append((message, span[0], runs))
         if not plan or need > free_cells or (most is not None and need > most):
             return None
-        return TargetedRead(plan)
+        fresh = self._named_homeless(decision, logged, engine, free_cells - need) if engine.homeless else []
+        return TargetedRead(plan, fresh)
+
+    def _named_homeless(self, decision: GateDecision | None, logged: dict[int, Any], engine: "Engine",
+                        room: int) -> list[Any]:
+        """The messages a frame shift left without a place that the firing names (their anomaly at the implicating
+        level, most anomalous first, at most :data:`MAX_TARGETED`), as many whole as fit ``reread_budget``."""
+        if decision is None or decision.uncertified or not self.statistic.startswith("sketch."):
+            return []
+        tau = self.threshold() if decision.second else decision.threshold
+        if tau is None:
+            return []
+        level = self.implicating_level(tau)
+        room = min(self.settings.reread_budget, room)
+        named = []
+        for index, anomaly in sorted(self.turn.anomalies.items(), key=lambda kv: -kv[1])[:MAX_TARGETED]:
+            message = logged.get(index)
+            if not (math.isfinite(anomaly) and anomaly >= level):
+                break
+            if index not in engine.homeless or message is None or message.tokens is None:
+                continue
+            if len(message.tokens) > room:
+                break
+            room -= len(message.tokens)
+            named.append(message)
+        return named
 
     def plan_reread(self, conversation_id: int, messages: Sequence[Any], room: int) -> ReadPlan:
         """Which of the logged ``messages`` (with their exact tokens) a re-read into ``room`` cells holds, and
