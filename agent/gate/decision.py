@@ -682,16 +682,13 @@ class Gate:
         hold at least :data:`COVER` of the implicated mass. ``logged``: the log's re-readable messages by index (exact
         token ids), checked against the positions the engine fed them at and the tokens still live there — on any
         disagreement the log wins and the whole history is re-read."""
-        # a second-signal firing names messages the way the gate's own statistic does, at its bar
-        tau = self.threshold() if decision.second else decision.threshold
+        tau = self._naming_bar(decision)
         if self.settings.reread_budget <= 0:
             return None, "targeted re-reads are off (reread_budget = 0)"
         if not self.statistic.startswith("sketch.") or decision.uncertified or tau is None:
             return None, "the uncertified sample names no message" if decision.uncertified else \
                 f"the gate read {self.statistic}, which names no message"
-        level = self.implicating_level(tau)
-        ranked = sorted(self.turn.anomalies.items(), key=lambda kv: -kv[1])
-        chosen = [index for index, anomaly in ranked if math.isfinite(anomaly) and anomaly >= level]
+        chosen = self._implicated(tau)
         if not chosen:
             return None, "no single evicted message stands out"
         # past this size the whole history costs more to re-read than the turns it would protect: read what fits
@@ -730,6 +727,18 @@ class Gate:
         if not (plan or fresh) or (implicated > 0 and covered < COVER * implicated and not best_effort):
             return None, "the messages the question points at hold more evicted tokens than the re-read budget"
         return TargetedRead(plan, fresh), ""
+
+    def _naming_bar(self, decision: GateDecision) -> float | None:
+        """The bar a firing names messages at: its own, or for a second-signal firing the gate statistic's, so that
+        it names messages the way the gate's own statistic does."""
+        return self.threshold() if decision.second else decision.threshold
+
+    def _implicated(self, tau: float) -> list[int]:
+        """The evicted messages a firing at bar ``tau`` points at: their anomaly at :meth:`implicating_level`, most
+        anomalous first."""
+        level = self.implicating_level(tau)
+        ranked = sorted(self.turn.anomalies.items(), key=lambda kv: -kv[1])
+        return [index for index, anomaly in ranked if math.isfinite(anomaly) and anomaly >= level]
 
     def plan_copied(self, logged: dict[int, Any], engine: "Engine", free_cells: int,
                     most: int | None = None, decision: GateDecision | None = None) -> TargetedRead | None:
@@ -771,16 +780,13 @@ class Gate:
         level, most anomalous first, at most :data:`MAX_TARGETED`), as many whole as fit ``reread_budget``."""
         if decision is None or decision.uncertified or not self.statistic.startswith("sketch."):
             return []
-        tau = self.threshold() if decision.second else decision.threshold
+        tau = self._naming_bar(decision)
         if tau is None:
             return []
-        level = self.implicating_level(tau)
         room = min(self.settings.reread_budget, room)
         named = []
-        for index, anomaly in sorted(self.turn.anomalies.items(), key=lambda kv: -kv[1])[:MAX_TARGETED]:
+        for index in self._implicated(tau)[:MAX_TARGETED]:
             message = logged.get(index)
-            if not (math.isfinite(anomaly) and anomaly >= level):
-                break
             if index not in engine.homeless or message is None or message.tokens is None:
                 continue
             if len(message.tokens) > room:

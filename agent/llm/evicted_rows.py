@@ -93,12 +93,11 @@ class EvictedRows:
         if moved and rotate is not None:
             rows = np.frombuffer(b"".join(self._rows[p][1] for p in moved), dtype=np.uint8)
             rotated = rotate(rows.reshape(len(moved), self.row_bytes), -delta)
-        new_rows = rotated if rotated is not None else None
         at = {p: i for i, p in enumerate(moved)}
         kept: dict[int, tuple[int, bytes]] = {}
         for p, (token, row) in self._rows.items():
             if p < low:
                 kept[p] = (token, row)
-            elif p >= cut and new_rows is not None:
-                kept[p - delta] = (token, new_rows[at[p]].tobytes())
+            elif p >= cut and rotated is not None:
+                kept[p - delta] = (token, rotated[at[p]].tobytes())
         self._rows = kept

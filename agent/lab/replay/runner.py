@@ -330,7 +330,8 @@ class Runner:
 
     def _step(self, session: Any, step: Step, script: Script) -> dict[str, Any]:
         history = self.engine.log_position(self.engine.next_pos)
-        scores: list[float] | None = [] if self.score_replies and step.assistant is not None else None
+        scoring = self.score_replies and step.assistant is not None and not step.independent
+        scores: list[float] | None = [] if scoring else None
         if step.independent:
             result, watch = self._send(session, step, script, "independent")
         elif step.assistant is not None and (step.probe is not None or self.generate_fillers):
@@ -340,7 +341,7 @@ class Runner:
         else:
             result, watch = self._send(session, step, script)
         record = self._record(step, script, result, watch, history)
-        if scores is not None and not step.independent:
+        if scores is not None:
             record.update(reply_logprob_sum=float(sum(scores)), reply_scored_tokens=len(scores))
         return record
 
