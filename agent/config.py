@@ -124,6 +124,12 @@ class Config:
     than half of the question's attention above baseline on them — except that a history longer than 4 × this
     budget is never re-read whole for the last two reasons (it would cost more than the full cache saved): the
     most anomalous messages that fit are re-read. 0: always the whole history."""
+    reread_refeed: int = 0
+    """Question tokens a re-read that puts history back from the evicted rows or the log feeds again on top of it:
+    0, the whole question (every row of it then attends to what came back); N, only its last N (the rest keeps
+    the rows it computed on the evicted cache, and the last N and the answer read what came back). A firing
+    then costs the copy and N tokens rather than the question's length. A whole-history re-read into a fresh
+    cache, or a re-read that feeds packed messages at fresh positions, always feeds the whole question."""
     evicted_rows_mb: int = 1024
     """Host memory, in MiB, for every evicted cell's K/V rows (all layers, as the cache first computed them: about
     12 KB per token for qwen2.5-coder-0.5b, 28 KB for the 1.5B). A targeted re-read copies a message back from
@@ -267,6 +273,9 @@ class Config:
         if self.reread_budget < 0:
             raise ConfigError(f"reread_budget: must be 0 or more tokens (0 = always re-read the whole history), "
                               f"got {self.reread_budget}")
+        if isinstance(self.reread_refeed, bool) or not isinstance(self.reread_refeed, int) or self.reread_refeed < 0:
+            raise ConfigError(f"reread_refeed: must be 0 (the whole question) or a number of tokens, "
+                              f"got {self.reread_refeed!r}")
         if self.sketch_bits not in (4, 8, 32):
             raise ConfigError(f"sketch_bits: must be 4, 8 or 32, got {self.sketch_bits}")
         if self.gate_stat != "auto" and not self.gate_stat.startswith(("question.", "answer.", "sketch.")):

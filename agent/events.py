@@ -135,7 +135,8 @@ class GateFired:
     messages: int = 0
     """How many messages a targeted re-read brings back."""
     question_tokens: int = 0
-    """A targeted re-read prefills the question again on top of the messages it brings back: its tokens."""
+    """A targeted or copied re-read prefills the question again on top of what it brings back: how many of its
+    tokens (all of them, or the last ``reread_refeed``)."""
     second: str = ""
     """The gate's second signal fired the turn (config ``gate_second``): its statistic; ``value`` and ``threshold``
     are its own."""

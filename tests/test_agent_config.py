@@ -28,7 +28,8 @@ def test_file_then_flags(tmp_path: Path) -> None:
     "text, key",
     [('policy = "lru"', "policy"), ('budget = "ten"', "budget"), ("threads = 0", "threads"),
      ('gate = "sometimes"', "gate"), ("n_ctx = 12", "n_ctx"), ('colour = "blue"', "colour"),
-     ('temperature = "hot"', "temperature"), ('evict_at = "later"', "evict_at")],
+     ('temperature = "hot"', "temperature"), ('evict_at = "later"', "evict_at"),
+     ("reread_refeed = -8", "reread_refeed")],
 )
 def test_invalid_values_name_the_key(tmp_path: Path, text: str, key: str) -> None:
     path = tmp_path / "c.toml"

@@ -105,6 +105,37 @@ def test_a_probe_answered_after_a_copied_reread_matches_the_full_cache(qwen: Eng
     assert qwen_rows.sketch is not None and gone == {int(p) for p in qwen_rows.sketch.positions if p < first}
 
 
+def test_a_copied_reread_can_feed_only_the_questions_last_tokens(qwen: Engine, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reread_refeed``: the question's first tokens keep the cells they were prefilled into; only its last N
+    are fed again over the history put back, and with them the answer reads it as the full cache does."""
+    want = _full_answer(qwen, tmp_path)
+    store = Store(tmp_path / "gated.db")
+    s = ChatSession(_config(**SKETCH, reread_refeed=8), store, qwen, "qwen2.5-coder-0.5b")
+    probe = _until_probe(s)
+    fed: list[tuple[int, int]] = []
+    feed = qwen.feed
+
+    def spy(tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fed.append((qwen.next_pos, len(tokens)))
+        return feed(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(qwen, "feed", spy)
+    events: list[ev.Event] = []
+    result = s.send(probe.user, on_event=events.append)
+    monkeypatch.undo()
+    question = store.get_message(result.user_message_id)
+    n, first = len(question.tokens), int(question.first_pos)
+    assert result.gate_fired and result.reread_path == "copied"
+    assert n > 8 and result.reprefill_tokens == 8
+    assert [e for e in events if isinstance(e, ev.GateFired)][0].question_tokens == 8
+    # the question went in before the firing (its head, then the certificate window on the evicted cache), and
+    # after it only its last 8 tokens, at the positions they had
+    question_feeds = [(p, k) for p, k in fed if first <= p < first + n]
+    assert question_feeds[-1] == (first + n - 8, 8) and sum(k for _, k in question_feeds) == n + 8
+    assert result.answer == want
+
+
 @pytest.mark.parametrize("rows", ["decoded", "copied"])
 def test_a_probe_answered_after_a_targeted_reread_matches_the_full_cache(qwen: Engine, tmp_path: Path,
                                                                          rows: str) -> None:

@@ -690,11 +690,12 @@ class ChatSession:
         (``Engine.evict_reinserted``)."""
         assert decision.value is not None and decision.threshold is not None
         fresh = sum(len(m.tokens) for m in plan.fresh)  # packed away by a frame shift: fed, not copied
-        on_event(ev.GateFired("question", decision.value, decision.threshold, len(turn.tokens) + fresh,
+        question = len(turn.tokens) - self._question_kept(turn, plan)
+        on_event(ev.GateFired("question", decision.value, decision.threshold, question + fresh,
                               uncertified=decision.uncertified, restored_tokens=plan.tokens - fresh,
-                              points_at=self._points_at(), question_tokens=len(turn.tokens), second=decision.second))
+                              points_at=self._points_at(), question_tokens=question, second=decision.second))
         self._put_back(turn, plan, on_event, cancel, readout=False)
-        self._record_reread(turn, decision, "copied", plan.ids, len(turn.tokens) + fresh, restored=plan.tokens - fresh,
+        self._record_reread(turn, decision, "copied", plan.ids, question + fresh, restored=plan.tokens - fresh,
                             indices=plan.indices)
 
     def _plan_targeted(self, decision: GateDecision, turn: Turn) -> tuple[TargetedRead | None, str]:
@@ -710,25 +711,28 @@ class ChatSession:
         (``Engine.evict_reinserted``)."""
         assert decision.value is not None and decision.threshold is not None
         words = ", ".join(self._message_words(i) for i in target.indices)
+        question = len(turn.tokens) - self._question_kept(turn, target)
         on_event(ev.GateFired("question", decision.value, decision.threshold, target.tokens,
                               points_at=self._points_at(), reread=words, messages=len(target.messages),
-                              question_tokens=len(turn.tokens), second=decision.second))
+                              question_tokens=question, second=decision.second))
         copied = self.engine.copied_tokens
         self._put_back(turn, target, on_event, cancel)
         # messages the engine put back from its evicted rows were copied, not prefilled
         copied = self.engine.copied_tokens - copied
-        self._record_reread(turn, decision, "targeted", target.ids, target.tokens + len(turn.tokens) - copied,
+        self._record_reread(turn, decision, "targeted", target.ids, target.tokens + question - copied,
                             restored=copied, indices=target.indices)
 
     def _put_back(self, turn: Turn, target: TargetedRead, on_event: EventSink,
                   cancel: threading.Event | None, readout: bool = True) -> None:
-        """Take the question out, put ``target``'s evicted runs back at their old positions (copied from the
-        engine's evicted rows, else decoded from the log's token ids), lift the biases and prefill the question
-        again on top (``readout``: with the attention readout, whose importance then scores the turn-end
-        eviction; a whole history put back leaves nothing evicted to certify)."""
-        total = target.tokens + len(turn.tokens)
+        """Take the question out (all of it, or all but its first tokens: ``reread_refeed``), put ``target``'s
+        evicted runs back at their old positions (copied from the engine's evicted rows, else decoded from the
+        log's token ids), lift the biases and prefill the question again on top (``readout``: with the attention
+        readout, whose importance then scores the turn-end eviction; a whole history put back leaves nothing
+        evicted to certify)."""
+        kept = self._question_kept(turn, target)
+        total = target.tokens + len(turn.tokens) - kept
         with self._undone_if_cancelled(cancel):
-            self.engine.truncate(turn.first_pos)
+            self.engine.truncate(turn.first_pos + kept)
             on_event(ev.Rereading(0, total))
             every = [([int(t) for t in message.tokens[p0 - first:p1 - first]], p0, message.index)
                      for message, first, runs in target.messages for p0, p1 in runs]
@@ -751,8 +755,16 @@ class ChatSession:
             # the answer use them. The biases come back with the turn-end eviction (or finish_turn).
             self.engine.lift_biases()
             self.memory.set_readout(readout)
-            self.engine.feed(turn.tokens, segment=turn.user.index, cancel=cancel)
+            self.engine.feed(turn.tokens[kept:], segment=turn.user.index, cancel=cancel)
             on_event(ev.Rereading(total, total))
+
+    def _question_kept(self, turn: Turn, target: TargetedRead) -> int:
+        """How many of the question's first tokens a re-read leaves in the cache (``reread_refeed``): none when
+        packed messages are fed at fresh positions, which must come before the whole question."""
+        refeed = self.config.reread_refeed
+        if refeed <= 0 or target.fresh:
+            return 0
+        return max(len(turn.tokens) - refeed, 0)
 
     @contextmanager
     def _undone_if_cancelled(self, cancel: threading.Event | None) -> Iterator[None]:
