@@ -690,11 +690,12 @@ class ChatSession:
         (``Engine.evict_reinserted``)."""
         assert decision.value is not None and decision.threshold is not None
         fresh = sum(len(m.tokens) for m in plan.fresh)  # packed away by a frame shift: fed, not copied
-        question = len(turn.tokens) - self._question_kept(turn, plan)
+        kept = self._question_kept(turn, plan)
+        question = len(turn.tokens) - kept
         on_event(ev.GateFired("question", decision.value, decision.threshold, question + fresh,
                               uncertified=decision.uncertified, restored_tokens=plan.tokens - fresh,
                               points_at=self._points_at(), question_tokens=question, second=decision.second))
-        self._put_back(turn, plan, on_event, cancel, readout=False)
+        self._put_back(turn, plan, kept, on_event, cancel, readout=False)
         self._record_reread(turn, decision, "copied", plan.ids, question + fresh, restored=plan.tokens - fresh,
                             indices=plan.indices)
 
@@ -711,25 +712,25 @@ class ChatSession:
         (``Engine.evict_reinserted``)."""
         assert decision.value is not None and decision.threshold is not None
         words = ", ".join(self._message_words(i) for i in target.indices)
-        question = len(turn.tokens) - self._question_kept(turn, target)
+        kept = self._question_kept(turn, target)
+        question = len(turn.tokens) - kept
         on_event(ev.GateFired("question", decision.value, decision.threshold, target.tokens,
                               points_at=self._points_at(), reread=words, messages=len(target.messages),
                               question_tokens=question, second=decision.second))
         copied = self.engine.copied_tokens
-        self._put_back(turn, target, on_event, cancel)
+        self._put_back(turn, target, kept, on_event, cancel)
         # messages the engine put back from its evicted rows were copied, not prefilled
         copied = self.engine.copied_tokens - copied
         self._record_reread(turn, decision, "targeted", target.ids, target.tokens + question - copied,
                             restored=copied, indices=target.indices)
 
-    def _put_back(self, turn: Turn, target: TargetedRead, on_event: EventSink,
+    def _put_back(self, turn: Turn, target: TargetedRead, kept: int, on_event: EventSink,
                   cancel: threading.Event | None, readout: bool = True) -> None:
-        """Take the question out (all of it, or all but its first tokens: ``reread_refeed``), put ``target``'s
+        """Take the question out but for its first ``kept`` tokens (:meth:`_question_kept`), put ``target``'s
         evicted runs back at their old positions (copied from the engine's evicted rows, else decoded from the
         log's token ids), lift the biases and prefill the question again on top (``readout``: with the attention
         readout, whose importance then scores the turn-end eviction; a whole history put back leaves nothing
         evicted to certify)."""
-        kept = self._question_kept(turn, target)
         total = target.tokens + len(turn.tokens) - kept
         with self._undone_if_cancelled(cancel):
             self.engine.truncate(turn.first_pos + kept)
