@@ -6,6 +6,7 @@
         --study "recall30=/path/to/study-gating.json" --study /path/to/study-attribution.json \
         --long "LoCoMo in full=/path/to/conv-a,/path/to/conv-a-25pct,/path/to/conv-b" \
         [--transfer "Calibration per model=docs/results/data/calibration/transfer.json"] \
+        [--lost "Lost probes, 16k=/path/to/script-a,/path/to/script-b|poisson+gate"] \
         [--notes notes.md] [--out docs/RESULTS.md]
 
 Each ``--section TITLE=DIR`` is a folder holding ``results*.json`` (shards are merged); its
@@ -13,7 +14,9 @@ table, provenance (model, machine, budgets, seeds, the command) and plots go int
 page. ``--long TITLE=DIR,DIR…`` merges `certchat demo long` results folders (one per
 conversation and budget) into a table per conversation — recall, turn time against the same
 conversation's full cache, what a user waited for an answer — and their pooled side-by-side
-table. ``--study`` adds a study's rendering. Nothing in the page is typed by hand except
+table. ``--lost TITLE=DIR,DIR…[|COLUMN]`` accounts for every probe those folders' full cache
+answered and the gated column (default ``poisson+gate``) did not (``agent.lab.lost_probes``).
+``--study`` adds a study's rendering. Nothing in the page is typed by hand except
 the optional notes file, which is included verbatim under "Notes".
 """
 
@@ -79,6 +82,19 @@ def _long(title: str, folders: list[Path]) -> list[str]:
             f"Merged from {len(files)} results files ({origin}). " + report.provenance(meta), "", ""]
 
 
+def _lost(title: str, folders: list[Path], column: str) -> list[str]:
+    from agent.lab import lost_probes  # noqa: PLC0415
+
+    lost = lost_probes.account(folders, column)
+    command = ("python -m agent.lab.lost_probes " + " ".join(shlex.quote(str(f)) for f in folders)
+               + f" --gated {shlex.quote(column)}")
+    return [f"## {title}", "",
+            f"{len(lost)} probes the full cache answered and `{column}` did not, by what the gate "
+            "did (never fired: the reading stayed under its bar; fired on other messages; the fact back — copied, "
+            "re-read or never evicted — and still wrong):", "", lost_probes.summary(lost).rstrip("\n"), "",
+            lost_probes.table(lost).rstrip("\n"), "", f"Reproduce: `{command}`", "", ""]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--section", action="append", default=[], help="TITLE=DIR with results*.json")
@@ -87,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="TITLE=DIR,DIR… of `certchat demo long` results: per conversation and pooled")
     parser.add_argument("--transfer", action="append", default=[],
                         help="TITLE=FILE: a per-model calibration table (python -m agent.lab.transfer --out FILE)")
+    parser.add_argument("--lost", action="append", default=[],
+                        help="TITLE=DIR,DIR…[|COLUMN] of `certchat demo long` results: every probe the gated "
+                        "column (default poisson+gate) lost, classed")
     parser.add_argument("--notes", type=Path, help="a Markdown file included verbatim under Notes")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "RESULTS.md")
     args = parser.parse_args(argv)
@@ -127,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--long: expected TITLE=DIR,DIR…, got {spec!r}")
         title, folders = spec.split("=", 1)
         lines += _long(title, [Path(f) for f in folders.split(",") if f])
+    for spec in args.lost:
+        if "=" not in spec:
+            parser.error(f"--lost: expected TITLE=DIR,DIR…, got {spec!r}")
+        title, rest = spec.split("=", 1)
+        folders, _, column = rest.partition("|")
+        lines += _lost(title, [Path(f) for f in folders.split(",") if f], column or "poisson+gate")
     for spec in args.transfer:
         import json  # noqa: PLC0415
 

@@ -68,6 +68,9 @@ def test_a_script_replays_with_the_same_history_for_every_policy(engine: Engine,
     assert [m.content for m in kept if m.role == "assistant"][0] == "Got it: your locker code is 4172."
     assert "Your locker code is 4172." in [m.content for m in kept]
     assert "Repeat my locker code." not in [m.content for m in kept]
+    # each probe names the logged message that stated its fact (the lost-probe account checks re-reads against it)
+    fact = next(m for m in kept if m.role == "user" and m.content.startswith("My locker code"))
+    assert steps[2]["fact_message"] == fact.id and steps[3]["fact_message"] == fact.id
     tokens = [int(t) for m in kept for t in m.tokens]
     assert engine.cache.tokens == tokens  # the cache holds exactly the shared history
     summary = run["summary"]

@@ -245,12 +245,15 @@ class Runner:
         """Heard with each job's new ``ChatSession`` (its engine, cache manager and gate have hooks of their own)."""
         self.sending: ev.Hook[[Step]] = ev.Hook()
         """Heard as each script step goes to the session."""
+        self._user_ids: dict[int, int] = {}
+        """The running job's logged user message of each script turn (a probe records its fact's)."""
 
     def run(self, job: Job, script: Script) -> dict[str, Any]:
         """One job: its per-step records and its summary."""
         from agent.chat.session import ChatSession  # noqa: PLC0415 — loads llama.cpp
 
         self.job_started(job, script)
+        self._user_ids = {}
         cfg = policy_config(self.base, job, self.gate)
         if script.system is not None:
             cfg = cfg.replace(system_prompt=script.system)
@@ -340,6 +343,8 @@ class Runner:
             result, watch = self._send(session, step, script, "forced", scores=scores)
         else:
             result, watch = self._send(session, step, script)
+        if not step.independent:
+            self._user_ids[step.turn] = result.user_message_id
         record = self._record(step, script, result, watch, history)
         if scores is not None:
             record.update(reply_logprob_sum=float(sum(scores)), reply_scored_tokens=len(scores))
@@ -397,6 +402,8 @@ class Runner:
                 "f1": scoring.token_f1(result.answer, probe.reference) if probe.reference is not None else None,
                 "reference": probe.reference, "fact_turn": probe.fact_turn, "distance": step.distance,
                 "category": probe.category,
+                # the logged message that stated the fact: what a re-read must bring back (agent.lab.lost_probes)
+                "fact_message": self._user_ids.get(probe.fact_turn) if probe.fact_turn is not None else None,
             })
         return record
 
