@@ -321,7 +321,7 @@ def test_an_evicting_chat_past_the_trained_context_moves_its_frame_and_goes_on(s
     try:
         config = Config(model="smollm2-135m", n_ctx=1024, n_batch=256, policy="poisson", budget="25%", gate=gate,
                         max_tokens=16, temperature=0.0, seed=0, evict_from=0, evicted_rows_mb=rows_mb,
-                        reread_budget=48)
+                        reread_budget=48, copy_back="all")
         db = tmp_path / "log.db"
         saver = resume.Saver(SavedStates.beside(db, 64), "smollm2", "patch-level")
         session = ChatSession(config, Store(db), engine, "smollm2-135m", saver=saver)

@@ -3,6 +3,7 @@ answers as the full cache does (qwen2.5-coder-0.5b, greedy, recall30 seed-02). W
 fires the sketch gate brings back only the fact's messages, decoded at their old positions, and answers as the
 full cache does; Esc during either re-read puts the evicted cache back; the log, the turn record and the events
 say which path ran and what came back; the whole history is re-read when no message can be named (smollm2-135m).
+The shipped gate fires on a paraphrased question about an evicted fact and not on a turn about the last answer.
 """
 
 from __future__ import annotations
@@ -103,6 +104,27 @@ def test_a_probe_answered_after_a_copied_reread_matches_the_full_cache(qwen: Eng
     np.testing.assert_allclose(bias, -np.asarray(qwen_rows.cache.logpi), atol=1e-6)
     gone = set(range(first)) - set(qwen_rows.cache.positions)
     assert qwen_rows.sketch is not None and gone == {int(p) for p in qwen_rows.sketch.positions if p < first}
+
+
+def test_a_paraphrased_question_about_an_evicted_fact_fires_and_a_turn_about_the_last_answer_does_not(
+        qwen: Engine, tmp_path: Path) -> None:
+    """The shipped gate on real readings: a question that shares no word with the evicted fact it asks about
+    ("which plane … Portugal's capital" for "my flight to Lisbon … TP 1843") fires and points at that message; the
+    next turn, which refers to the answer just given (kept in the recent window), does not fire."""
+    s = ChatSession(_config(**SKETCH), Store(tmp_path / "gated.db"), qwen, "qwen2.5-coder-0.5b")
+    _until_probe(s)
+    flight = next(m for m in s.store.messages(s.conversation_id) if m.content.startswith("My flight to Lisbon"))
+    assert flight.first_pos is not None and not set(range(flight.first_pos, flight.first_pos + len(flight.tokens))) \
+        & set(qwen.cache.positions), "the fact's message is evicted"
+    events: list[ev.Event] = []
+    asked = s.send("Which plane am I catching to Portugal's capital next week?", on_event=events.append)
+    fired = [e for e in events if isinstance(e, ev.GateFired)]
+    assert asked.gate_fired and fired, "the paraphrase reaches for the evicted fact"
+    assert "My flight to Lisbon" in fired[0].points_at, "and the gate names its message"
+    events.clear()
+    follow = s.send("Thanks. Could you say that again in fewer words?", on_event=events.append)
+    assert not follow.gate_fired and not [e for e in events if isinstance(e, ev.GateFired)], \
+        "a turn about the previous answer needs nothing evicted"
 
 
 def test_a_copied_reread_can_feed_only_the_questions_last_tokens(qwen: Engine, tmp_path: Path,

@@ -289,10 +289,11 @@ def _cmd_demo_recall30(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int) -> None:
+def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int, budget: str = "10%") -> None:
     p.add_argument("--policy", default=policies,
                    help=f"comma-separated: {', '.join(policies_mod.REPLAY_NAMES)} (default {policies})")
-    p.add_argument("--budget", default="10%", help="KV budget(s), comma-separated: 10%% or 1024 (default 10%%)")
+    shown = budget.replace("%", "%%")
+    p.add_argument("--budget", default=budget, help=f"KV budget(s), comma-separated: 10%% or 1024 (default {shown})")
     p.add_argument("--seeds", type=int, default=seeds, help="seeds 0…N−1 for the randomised policies")
     p.add_argument("--gate", default="auto", help="gate threshold τ for poisson+gate, or 'auto' (calibrated)")
     p.add_argument("--model", help="registry name or GGUF path (default: the configured model)")
@@ -366,7 +367,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     lg = demo_sub.add_parser("long", help="a long chat (16k tokens by default): recall and time per turn, "
                                           "full against evicted and gated")
-    _add_run_flags(lg, "full,topk,poisson,poisson+gate", 1)
+    # the long demo measures the chat as it ships: its default budget
+    _add_run_flags(lg, "full,topk,poisson,poisson+gate", 1, budget=config_mod.Config.budget)
     lg.set_defaults(max_tokens=None)
     lg.add_argument("--quick", action="store_true",
                     help="the committed ~8k-token fixture (under 15 minutes on 2 CPU cores)")
