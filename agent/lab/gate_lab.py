@@ -119,13 +119,14 @@ def load(folder: Path, gated: str = "poisson+gate", second: str = "") -> list[Sc
                               bool(detail.get("uncertified")), full["turn_wall_s"][i], ungated["turn_wall_s"][i],
                               f.get("correct") if kind == "probe" else None,
                               u.get("correct") if kind == "probe" else None,
-                              _finite(detail.get(second)) if second else None,
+                              finite(detail.get(second)) if second else None,
                               int(detail.get("sampled_cells") or 0)))
         out.append(Script(Path(name).stem, turns, _gated(runs.get(gated), full)))
     return out
 
 
-def _finite(value: Any) -> float | None:
+def finite(value: Any) -> float | None:
+    """A reading as a float, or None where it is missing or not finite (NaN, inf)."""
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 

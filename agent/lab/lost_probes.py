@@ -15,13 +15,12 @@ runs, from the folder's ``replay.db`` (the conversation's user messages in order
 targeted firing's class is "fired, fact's message unknown". A copied or whole re-read brings every evicted message
 back, so its class needs no lookup.
 
-    python -m agent.lab.lost_probes DIR… [--gated poisson+gate] [--markdown]
+    python -m agent.lab.lost_probes DIR… [--gated poisson+gate] [--summary-only]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sqlite3
 import sys
 from collections import Counter
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from agent.lab.gate_lab import finite
 from agent.lab.replay import aggregate
 
 NEVER = "never fired"
@@ -90,10 +90,6 @@ def classify(step: dict[str, Any], fact_message: int | None) -> str:
     return STILL_WRONG if fact_message in set(step.get("reread_messages") or []) else OTHER
 
 
-def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
 def account(folders: Sequence[Path], gated: str = "poisson+gate") -> list[Lost]:
     """Every lost probe of the ``gated`` column against the full cache, script by script (seed 0)."""
     lost: list[Lost] = []
@@ -116,8 +112,8 @@ def account(folders: Sequence[Path], gated: str = "poisson+gate") -> list[Lost]:
                 continue
             detail = g.get("certificate_detail") or {}
             lost.append(Lost(Path(name).stem, int(g["turn"]), str(g.get("category") or ""), g.get("distance"),
-                             classify(g, _fact_message(g, turn_ids)), _finite(detail.get("sketch.max")),
-                             _finite(g.get("gate_threshold")), str(g.get("reread_path") or ""),
+                             classify(g, _fact_message(g, turn_ids)), finite(detail.get("sketch.max")),
+                             finite(g.get("gate_threshold")), str(g.get("reread_path") or ""),
                              str(g.get("answer") or ""), str(f.get("answer") or "")))
     return lost
 
