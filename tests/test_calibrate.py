@@ -62,8 +62,20 @@ def test_calibrate_writes_the_record_the_gate_then_reads(small_model: Path, tmp_
     assert "turn_index" in gate["separation"], "the separation is reported beside the turn-index baseline"
     layers = tuple(gate["sketch"]["layers"])
     assert 1 <= len(layers) <= 2 and set(layers) <= set(gate["sketch"]["recorded"])
-    [cert] = record["multipliers"]
-    assert cert["multiplier"] > 0 and len(cert["drift"]) == gate["sketch"]["n_layer"]
+    by_rounds = {row["rounds"]: row for row in record["multipliers"]}
+    assert sorted(by_rounds) == ["1", "2+"], "the chat's first eviction round and its later ones each get a fit"
+    for row in by_rounds.values():
+        assert row["multiplier"] > 0 and len(row["drift"]) == gate["sketch"]["n_layer"]
+        assert row["rule"]["k"] in ("pooled", "largest-group")
+    cert = by_rounds["2+"]
+
+    # the work folder keeps the captured cells: a refit reads them, without replaying, to the same certificate
+    again = cli("calibrate", "smollm2-135m", "--from-results", str(tmp_path / "work"), "--min-probe-rate", "0",
+                "--no-progress", timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "refitting the certificate on the cells" in again.stderr
+    refit = json.loads(path.read_text(encoding="utf-8"))
+    assert [r["multiplier"] for r in refit["multipliers"]] == [r["multiplier"] for r in record["multipliers"]]
 
     calibration.forget()
     found = calibration.for_model(SMOLLM)
@@ -75,6 +87,7 @@ def test_calibrate_writes_the_record_the_gate_then_reads(small_model: Path, tmp_
         assert after.gate.threshold() == gate["tau"], "a new chat's bar is the calibrated floor"
         assert after.engine.sketch_spec[0] == layers, "the sketch reads the calibrated layers"
         assert after.gate.certificate_form(2).multiplier == pytest.approx(cert["multiplier"])
+        assert after.gate.certificate_form(1).multiplier == pytest.approx(by_rounds["1"]["multiplier"])
     finally:
         after.close()
 

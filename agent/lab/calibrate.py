@@ -16,8 +16,12 @@ all three, in one replay and three offline fits:
    share and the factor are chosen per model from a small grid by the probes caught on scripts left out of the
    floor's fit (leave one script out), within a cap on filler firings; a model whose questions read weakly against
    its ordinary turns gets a lower bar. The turn-index baseline is reported beside the separation.
-4. **Certificate.** Per budget, the drift λ per layer and the multiplier k (agent.gate.certificate.fit, the
-   conversation as the exchangeable unit) on the captured cells, with its in-sample coverage.
+4. **Certificate.** Per budget and rounds class, the drift λ per layer and the multiplier k
+   (agent.gate.certificate.fit) on the captured cells: the multi-round replay's (the chat's steady state) and a
+   one-shot pass's (each probe evicted once from the whole history: a chat's first eviction round). k is the least
+   conservative of a few rules (:data:`CERTIFICATE_RULES`) that covers the calibration conversations at nominal
+   when each is left out of the fit, so the coverage a new conversation sees is nominal, not what the largest of
+   twelve conversations needed. The cells are kept in the work folder (``--from-results`` refits on them).
 
 The record goes to the user's calibration dir, keyed by the GGUF's hash (``--ship`` writes the package's copy, for
 a registry model). A fit whose gate does not catch at least ``--min-probe-rate`` of the calibration probes is
@@ -33,6 +37,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -218,30 +223,107 @@ def choose_layers(results: Path, budgets: Sequence[str],
     return [layers[i] for i in ranked[0]], top, unreadable
 
 
-def fit_certificate(observed: Any, model: str, n_layer: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per budget, the certificate's λ and k fitted on the captured cells (certified turns; each conversation a
-    group), as ``multipliers`` rows, and their in-sample coverage at the nominal level."""
+CERTIFICATE_RULES: tuple[tuple[str, float], ...] = (("pooled", 0.95), ("pooled", 0.96), ("pooled", 0.97),
+                                                    ("pooled", 0.98), ("largest-group", certificate.NOMINAL))
+"""The certificate's k candidates, least conservative first: the conformal quantile over every calibration cell at a
+level, or the largest of the conversations' quantiles at nominal (every calibration conversation covered)."""
+ONE_SHOT_MAX_TOKENS = 8
+"""The one-shot pass's answer length: its certificate is read at the question, before the first answer token."""
+
+
+def _component(cells: dict[str, np.ndarray], groups: np.ndarray, n_layer: int,
+               rule: tuple[str, float]) -> certificate.Component:
+    kind, level = rule
+    return certificate.fit(cells["err"], cells["v_hat"], cells["o_norm2"], cells["layer"], n_layer,
+                           groups=groups if kind == "largest-group" else None, level=level)
+
+
+def covered(cells: dict[str, np.ndarray], comp: certificate.Component) -> np.ndarray:
+    """Whether each cell's error is within the certificate ``comp`` shows for it (both as ‖ô‖ times the relative)."""
+    lam = np.asarray(comp.drift)[cells["layer"].astype(np.int64)]
+    shown = comp.multiplier * np.sqrt(np.maximum(cells["v_hat"], 0.0) + lam * cells["o_norm2"])
+    return np.asarray(cells["err"] <= shown)
+
+
+def left_out_coverage(cells: dict[str, np.ndarray], groups: np.ndarray, n_layer: int,
+                      rule: tuple[str, float]) -> dict[str, Any]:
+    """Coverage of each calibration conversation under the certificate ``rule`` fits on the others: what a new
+    conversation would see (pooled over the left-out cells, and the range over conversations)."""
+    hits, per = [], {}
+    for name in np.unique(groups):
+        out = groups == name
+        rest = {k: v[~out] for k, v in cells.items()}
+        mine = {k: v[out] for k, v in cells.items()}
+        hit = covered(mine, _component(rest, groups[~out], n_layer, rule))
+        hits.append(hit)
+        per[str(name)] = float(hit.mean())
+    pooled = float(np.concatenate(hits).mean())
+    return {"rule": rule[0], "level": rule[1], "coverage": pooled, "lowest": min(per.values()),
+            "highest": max(per.values())}
+
+
+def choose_certificate_rule(cells: dict[str, np.ndarray], groups: np.ndarray,
+                            n_layer: int) -> tuple[tuple[str, float], list[dict[str, Any]]]:
+    """The least conservative rule of :data:`CERTIFICATE_RULES` whose conversations, each left out of the fit,
+    are covered at nominal or more (pooled); with one conversation, or none reaching it, the most conservative."""
+    if len(np.unique(groups)) < 2:
+        return CERTIFICATE_RULES[-1], []
+    table = [left_out_coverage(cells, groups, n_layer, rule) for rule in CERTIFICATE_RULES]
+    chosen = next((rule for rule, row in zip(CERTIFICATE_RULES, table)
+                   if row["coverage"] >= certificate.NOMINAL), CERTIFICATE_RULES[-1])
+    return chosen, table
+
+
+def fit_certificate(arrays: dict[str, dict[str, np.ndarray]], turns: list[dict[str, Any]], model: str,
+                    n_layer: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per budget and protocol (its rounds class), the certificate's λ and k fitted on the captured cells of
+    certified turns (``arrays``: label → cells, ``turns``: the capture's turns), k by the rule
+    :func:`choose_certificate_rule` picks; as ``multipliers`` rows, with their in-sample coverage at nominal."""
     rows, checks = [], []
-    turns = list(observed.seen.turns)
-    for label in list(observed.seen.cells):
+    for label, cells in arrays.items():
         policy, budget, protocol = label.rsplit(" ", 2)
-        cells = observed.arrays(label)
         turn = cells["turn"].astype(int)
         keep = np.array([not turns[t]["uncertified"] for t in turn], dtype=bool)
         if not keep.any():
             continue
         script = np.array([turns[t]["script"] for t in turn])[keep]
-        err, v_hat, o_norm2, layer = (cells[k][keep] for k in ("err", "v_hat", "o_norm2", "layer"))
-        comp = certificate.fit(err, v_hat, o_norm2, layer, n_layer, groups=script)
-        lam = np.asarray(comp.drift)[layer.astype(np.int64)]
-        shown = comp.multiplier * np.sqrt(np.maximum(v_hat, 0.0) + lam * o_norm2)  # the certificate × ‖ô‖
+        mine = {k: cells[k][keep] for k in ("err", "v_hat", "o_norm2", "layer")}
+        rule, table = choose_certificate_rule(mine, script, n_layer)
+        comp = _component(mine, script, n_layer, rule)
         rounds = certificate.rounds_class(certificate.PROTOCOL_ROUNDS.get(protocol, 2))
+        left_out = next((r["coverage"] for r in table if (r["rule"], r["level"]) == rule), None)
         rows.append({"policy": policy, "model": model, "budget": budget, "rounds": rounds,
                      "multiplier": comp.multiplier, "drift": list(comp.drift), "n_layer": n_layer,
-                     "n_calibration_cells": int(keep.sum()), "protocols": [protocol]})
+                     "n_calibration_cells": int(keep.sum()), "protocols": [protocol],
+                     "rule": {"k": rule[0], "level": rule[1], "left_out_coverage": left_out, "candidates": table}})
         checks.append({"budget": budget, "protocol": protocol, "n_cells": int(keep.sum()),
-                       "coverage": float(np.mean(err <= shown)), "nominal": certificate.NOMINAL})
+                       "coverage": float(covered(mine, comp).mean()), "left_out_coverage": left_out,
+                       "rule": f"{rule[0]} {rule[1]:g}", "nominal": certificate.NOMINAL})
     return rows, checks
+
+
+CELLS = "certificate-cells.npz"
+TURNS = "certificate-turns.json"
+"""The captured certificate cells and their turns, kept in the work folder so a refit need not replay."""
+
+
+def save_cells(out: Path, arrays: dict[str, dict[str, np.ndarray]], turns: list[dict[str, Any]]) -> None:
+    flat = {f"{label}|{k}": v for label, a in arrays.items() for k, v in a.items()
+            if k in ("err", "v_hat", "o_norm2", "layer", "turn")}
+    # numpy's stub reads **kwds as if they could fill allow_pickle: bool; these keys are "label|field" names
+    np.savez_compressed(out / CELLS, **flat)  # type: ignore[arg-type]
+    (out / TURNS).write_text(json.dumps(turns) + "\n", encoding="utf-8")
+
+
+def load_cells(out: Path) -> tuple[dict[str, dict[str, np.ndarray]], list[dict[str, Any]]] | None:
+    if not (out / CELLS).exists() or not (out / TURNS).exists():
+        return None
+    with np.load(out / CELLS) as z:
+        arrays: dict[str, dict[str, np.ndarray]] = {}
+        for key in z.files:
+            label, name = key.split("|")
+            arrays.setdefault(label, {})[name] = z[key]
+    return arrays, json.loads((out / TURNS).read_text(encoding="utf-8"))
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -293,9 +375,15 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         doc = aggregate.read_results(batch.results_path(settings))
         if doc["meta"].get("model_sha256") != sha:
             raise CalibrationError(f"calibrate: {out} holds a replay of {doc['meta'].get('model')}, not {display}")
-        multipliers, coverage = json.loads(fitted.read_text(encoding="utf-8")) if fitted.exists() else ([], [])
+        kept = load_cells(out)
+        if kept is not None:
+            _say("refitting the certificate on the cells the replay captured")
+            multipliers, coverage = fit_certificate(*kept, display, n_layer)
+        else:
+            multipliers, coverage = json.loads(fitted.read_text(encoding="utf-8")) if fitted.exists() else ([], [])
         settings.command = f"{doc['meta'].get('command')} && {settings.command}"
         sources = [Path(x["source"]) for x in doc["meta"].get("scripts") or []] or sources  # what was replayed
+        budgets = settings.budgets = list(doc["meta"].get("budgets") or budgets)
         started -= sum(float(run.get("wall_s") or 0.0) for run in doc["runs"])  # the replay's own time counts
     else:
         n_jobs = len(scripts) * len(budgets)
@@ -305,7 +393,17 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         if args.certificate:
             with ProductCoverage(path, cfg.threads) as observed:
                 doc = batch.run(scripts, settings, cfg, observe=observed.attach)
-                multipliers, coverage = fit_certificate(observed, display, n_layer)
+                # the first eviction round's certificate (rounds class "1": every kept cell decoded over the whole
+                # history) is its own fit; the chat shows it until a second round, and the multi-round k over-covers it
+                _say(f"{display}: the one-shot pass (each probe evicted once from the whole history), "
+                     f"{len(scripts) * len(budgets)} runs")
+                one_shot = replace(settings, out=out / "one-shot", protocols=("one-shot",), generate_fillers=False,
+                                   max_tokens=min(args.max_tokens, ONE_SHOT_MAX_TOKENS))
+                batch.run(scripts, one_shot, cfg, observe=observed.attach)
+                arrays = {label: observed.arrays(label) for label in observed.seen.cells}
+                turns = list(observed.seen.turns)
+            save_cells(out, arrays, turns)
+            multipliers, coverage = fit_certificate(arrays, turns, display, n_layer)
         else:
             doc = batch.run(scripts, settings, cfg)
             multipliers, coverage = [], []
@@ -376,8 +474,12 @@ def summary(document: dict[str, Any], path: Path) -> str:
              f"{num(sep[STATISTIC]['auc_all_fillers'])} / {num(sep[STATISTIC]['auc_later_fillers'])}, turn index "
              f"{num(sep['turn_index']['auc_all_fillers'])} / {num(sep['turn_index']['auc_later_fillers'])}"]
     for row, check in zip(document["multipliers"], document["coverage_in_sample"]):
-        lines.append(f"  certificate at {row['budget']}: k {row['multiplier']:.2f}, in-sample coverage "
-                     f"{check['coverage']:.3f} of {check['n_cells']} cells (nominal {check['nominal']:.2f})")
+        left = check.get("left_out_coverage")
+        left_text = "" if left is None else f", {left:.3f} on conversations left out of the fit"
+        rule = f" ({check['rule']})" if check.get("rule") else ""
+        lines.append(f"  certificate at {row['budget']}, {check['protocol']}: k {row['multiplier']:.2f}{rule}, "
+                     f"coverage {check['coverage']:.3f} of {check['n_cells']} cells in sample{left_text} "
+                     f"(nominal {check['nominal']:.2f})")
     lines.append(f"  took {document['wall_s']['total'] / 60:.1f} min; written to {path}")
     return "\n".join(lines)
 
@@ -404,7 +506,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", help="registry name or GGUF path (default: the configured model)")
     p.add_argument("--scripts", nargs="+", metavar="SCRIPT",
                    help="calibration scripts (default: recall30 seeds 02–05 and 10–17, the calibration split)")
-    p.add_argument("--budget", default="10%,25%", help="KV budgets to calibrate on (default 10%%,25%%)")
+    p.add_argument("--budget", default="10%,25%",
+                   help="KV budgets to calibrate on (default 10%%,25%%; with --from-results, the replay's)")
     p.add_argument("--threads", type=int, help="CPU threads (default: the config's)")
     p.add_argument("--max-tokens", type=int, default=48, dest="max_tokens", help="longest generated answer")
     p.add_argument("--sketch-max-layers", type=int, default=2, dest="sketch_max_layers",
