@@ -60,6 +60,42 @@ def test_fit_with_drift_covers_at_nominal_held_out() -> None:
     assert plain == np.inf
 
 
+def test_the_rule_for_k_is_chosen_by_the_conversations_left_out() -> None:
+    """Conversations alike: a pooled quantile at or near nominal covers a left-out one at nominal. Conversations whose
+    errors differ in scale: the pooled 95% quantile leaves the left-out ones under nominal, so a higher level is
+    chosen, and the chosen rule's left-out coverage is at least nominal. One conversation: nothing to leave out,
+    the most conservative rule."""
+    rng = np.random.default_rng(20261205)
+    drift = np.array([0.01, 0.04])
+
+    def conversations(scales: list[float]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        parts = [_drifting_cells(rng, 3_000, drift) for _ in scales]
+        for part, scale in zip(parts, scales):
+            part["err"] = part["err"] * scale
+        cells = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return cells, np.repeat([f"c{i}" for i in range(len(scales))], 3_000)
+
+    def choose(cells: dict[str, np.ndarray], groups: np.ndarray) -> tuple[tuple[str, float], list[dict]]:
+        return certificate.choose_rule(cells["err"], cells["v_hat"], cells["o_norm2"], cells["layer"], len(drift),
+                                       groups)
+
+    alike, groups = conversations([1.0] * 8)
+    rule, table = choose(alike, groups)
+    assert rule[0] == "pooled" and rule[1] <= 0.96
+    row = {(r["rule"], r["level"]): r for r in table}
+    assert certificate.NOMINAL <= row[rule]["coverage"] < 0.97
+
+    unlike, groups = conversations([0.6, 0.8, 1.0, 1.0, 1.2, 1.4, 1.7, 2.0])
+    rule, table = choose(unlike, groups)
+    row = {(r["rule"], r["level"]): r for r in table}
+    assert row[("pooled", 0.95)]["coverage"] < certificate.NOMINAL
+    assert rule != ("pooled", 0.95) and row[rule]["coverage"] >= certificate.NOMINAL
+    assert row[rule]["lowest"] < certificate.NOMINAL < row[rule]["highest"], "conversations spread either side"
+
+    one, groups = conversations([1.0])
+    assert choose(one, groups) == (certificate.RULES[-1], [])
+
+
 def test_the_two_phase_fit_recovers_an_evicted_part_that_grows_with_the_evicted_share() -> None:
     """Cells whose error beyond the sample's is a drift λ_l plus an evicted part μ_l m² (m: the question's share on
     the evicted cells), relative to ‖ô‖²: the study's two-phase fit recovers λ and μ, covers held-out cells at

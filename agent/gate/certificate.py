@@ -151,6 +151,58 @@ def largest_group_multiplier(err: Any, scale: Any, groups: Any, level: float = N
     return max(conformal_multiplier(e[g == x], s[g == x], level) for x in np.unique(g))
 
 
+RULES: tuple[tuple[str, float], ...] = (("pooled", 0.95), ("pooled", 0.96), ("pooled", 0.97), ("pooled", 0.98),
+                                        ("largest-group", NOMINAL))
+"""k's candidate rules, least conservative first: the conformal quantile over every calibration cell at a level, or
+the largest of the conversations' quantiles at nominal (every calibration conversation covered)."""
+
+
+def fit_by_rule(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int, groups: Any,
+                rule: tuple[str, float]) -> Component:
+    """:func:`fit` under one of :data:`RULES` (``groups``: each cell's conversation)."""
+    kind, level = rule
+    return fit(err, v_hat, o_norm2, layer, n_layer, groups=groups if kind == "largest-group" else None, level=level)
+
+
+def covered(err: Any, v_hat: Any, o_norm2: Any, layer: Any, comp: Component) -> np.ndarray:
+    """Whether each cell's error is within the certificate ``comp`` shows for it (both as ‖ô‖ times the relative)."""
+    lam = np.asarray(comp.drift)[np.asarray(layer, dtype=np.int64)]
+    shown = comp.multiplier * np.sqrt(np.maximum(np.asarray(v_hat, dtype=np.float64), 0.0)
+                                      + lam * np.asarray(o_norm2, dtype=np.float64))
+    return np.asarray(np.asarray(err, dtype=np.float64) <= shown)
+
+
+def left_out_coverage(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int, groups: Any,
+                      rule: tuple[str, float]) -> dict[str, Any]:
+    """Coverage of each calibration conversation under the certificate ``rule`` fits on the others — what a new
+    conversation would see: pooled over the left-out cells, and the lowest and highest conversation's."""
+    e, v, o2, lay = (np.asarray(x) for x in (err, v_hat, o_norm2, layer))
+    g = np.asarray(groups)
+    hits, per = [], []
+    for name in np.unique(g):
+        out, rest = g == name, g != name
+        comp = fit_by_rule(e[rest], v[rest], o2[rest], lay[rest], n_layer, g[rest], rule)
+        hit = covered(e[out], v[out], o2[out], lay[out], comp)
+        hits.append(hit)
+        per.append(float(hit.mean()))
+    return {"rule": rule[0], "level": rule[1], "coverage": float(np.concatenate(hits).mean()), "lowest": min(per),
+            "highest": max(per)}
+
+
+def choose_rule(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int, groups: Any,
+                level: float = NOMINAL) -> tuple[tuple[str, float], list[dict[str, Any]]]:
+    """The least conservative of :data:`RULES` whose calibration conversations, each left out of the fit, are
+    covered at ``level`` or more (pooled), with every rule's :func:`left_out_coverage`; with one conversation, or
+    no rule reaching it, the most conservative. A quantile pooled over cells lets one conversation fall well under
+    nominal while another is over; the largest conversation's quantile holds every calibration conversation to
+    nominal and so over-covers a new one on average. Leaving conversations out measures which the chat gets."""
+    if len(np.unique(np.asarray(groups))) < 2:
+        return RULES[-1], []
+    table = [left_out_coverage(err, v_hat, o_norm2, layer, n_layer, groups, rule) for rule in RULES]
+    chosen = next((rule for rule, row in zip(RULES, table) if row["coverage"] >= level), RULES[-1])
+    return chosen, table
+
+
 def rounds_class(rounds: int) -> str:
     """"1": every kept cell was decoded over the whole history (one eviction round, the one-shot protocol);
     "2+": some were decoded over an evicted one (the multi-round protocol, the chat's steady state)."""

@@ -19,7 +19,7 @@ all three, in one replay and three offline fits:
 4. **Certificate.** Per budget and rounds class, the drift λ per layer and the multiplier k
    (agent.gate.certificate.fit) on the captured cells: the multi-round replay's (the chat's steady state) and a
    one-shot pass's (each probe evicted once from the whole history: a chat's first eviction round). k is the least
-   conservative of a few rules (:data:`CERTIFICATE_RULES`) that covers the calibration conversations at nominal
+   conservative of a few rules (``agent.gate.certificate.RULES``) that covers the calibration conversations at nominal
    when each is left out of the fit, so the coverage a new conversation sees is nominal, not what the largest of
    twelve conversations needed. The cells are kept in the work folder (``--from-results`` refits on them).
 
@@ -223,62 +223,15 @@ def choose_layers(results: Path, budgets: Sequence[str],
     return [layers[i] for i in ranked[0]], top, unreadable
 
 
-CERTIFICATE_RULES: tuple[tuple[str, float], ...] = (("pooled", 0.95), ("pooled", 0.96), ("pooled", 0.97),
-                                                    ("pooled", 0.98), ("largest-group", certificate.NOMINAL))
-"""The certificate's k candidates, least conservative first: the conformal quantile over every calibration cell at a
-level, or the largest of the conversations' quantiles at nominal (every calibration conversation covered)."""
 ONE_SHOT_MAX_TOKENS = 8
 """The one-shot pass's answer length: its certificate is read at the question, before the first answer token."""
-
-
-def _component(cells: dict[str, np.ndarray], groups: np.ndarray, n_layer: int,
-               rule: tuple[str, float]) -> certificate.Component:
-    kind, level = rule
-    return certificate.fit(cells["err"], cells["v_hat"], cells["o_norm2"], cells["layer"], n_layer,
-                           groups=groups if kind == "largest-group" else None, level=level)
-
-
-def covered(cells: dict[str, np.ndarray], comp: certificate.Component) -> np.ndarray:
-    """Whether each cell's error is within the certificate ``comp`` shows for it (both as ‖ô‖ times the relative)."""
-    lam = np.asarray(comp.drift)[cells["layer"].astype(np.int64)]
-    shown = comp.multiplier * np.sqrt(np.maximum(cells["v_hat"], 0.0) + lam * cells["o_norm2"])
-    return np.asarray(cells["err"] <= shown)
-
-
-def left_out_coverage(cells: dict[str, np.ndarray], groups: np.ndarray, n_layer: int,
-                      rule: tuple[str, float]) -> dict[str, Any]:
-    """Coverage of each calibration conversation under the certificate ``rule`` fits on the others: what a new
-    conversation would see (pooled over the left-out cells, and the range over conversations)."""
-    hits, per = [], {}
-    for name in np.unique(groups):
-        out = groups == name
-        rest = {k: v[~out] for k, v in cells.items()}
-        mine = {k: v[out] for k, v in cells.items()}
-        hit = covered(mine, _component(rest, groups[~out], n_layer, rule))
-        hits.append(hit)
-        per[str(name)] = float(hit.mean())
-    pooled = float(np.concatenate(hits).mean())
-    return {"rule": rule[0], "level": rule[1], "coverage": pooled, "lowest": min(per.values()),
-            "highest": max(per.values())}
-
-
-def choose_certificate_rule(cells: dict[str, np.ndarray], groups: np.ndarray,
-                            n_layer: int) -> tuple[tuple[str, float], list[dict[str, Any]]]:
-    """The least conservative rule of :data:`CERTIFICATE_RULES` whose conversations, each left out of the fit,
-    are covered at nominal or more (pooled); with one conversation, or none reaching it, the most conservative."""
-    if len(np.unique(groups)) < 2:
-        return CERTIFICATE_RULES[-1], []
-    table = [left_out_coverage(cells, groups, n_layer, rule) for rule in CERTIFICATE_RULES]
-    chosen = next((rule for rule, row in zip(CERTIFICATE_RULES, table)
-                   if row["coverage"] >= certificate.NOMINAL), CERTIFICATE_RULES[-1])
-    return chosen, table
 
 
 def fit_certificate(arrays: dict[str, dict[str, np.ndarray]], turns: list[dict[str, Any]], model: str,
                     n_layer: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Per budget and protocol (its rounds class), the certificate's λ and k fitted on the captured cells of
     certified turns (``arrays``: label → cells, ``turns``: the capture's turns), k by the rule
-    :func:`choose_certificate_rule` picks; as ``multipliers`` rows, with their in-sample coverage at nominal."""
+    agent.gate.certificate.choose_rule picks; as ``multipliers`` rows, with their coverage at nominal."""
     rows, checks = [], []
     for label, cells in arrays.items():
         policy, budget, protocol = label.rsplit(" ", 2)
@@ -287,9 +240,9 @@ def fit_certificate(arrays: dict[str, dict[str, np.ndarray]], turns: list[dict[s
         if not keep.any():
             continue
         script = np.array([turns[t]["script"] for t in turn])[keep]
-        mine = {k: cells[k][keep] for k in ("err", "v_hat", "o_norm2", "layer")}
-        rule, table = choose_certificate_rule(mine, script, n_layer)
-        comp = _component(mine, script, n_layer, rule)
+        err, v_hat, o_norm2, layer = (cells[k][keep] for k in ("err", "v_hat", "o_norm2", "layer"))
+        rule, table = certificate.choose_rule(err, v_hat, o_norm2, layer, n_layer, script)
+        comp = certificate.fit_by_rule(err, v_hat, o_norm2, layer, n_layer, script, rule)
         rounds = certificate.rounds_class(certificate.PROTOCOL_ROUNDS.get(protocol, 2))
         left_out = next((r["coverage"] for r in table if (r["rule"], r["level"]) == rule), None)
         rows.append({"policy": policy, "model": model, "budget": budget, "rounds": rounds,
@@ -297,7 +250,8 @@ def fit_certificate(arrays: dict[str, dict[str, np.ndarray]], turns: list[dict[s
                      "n_calibration_cells": int(keep.sum()), "protocols": [protocol],
                      "rule": {"k": rule[0], "level": rule[1], "left_out_coverage": left_out, "candidates": table}})
         checks.append({"budget": budget, "protocol": protocol, "n_cells": int(keep.sum()),
-                       "coverage": float(covered(mine, comp).mean()), "left_out_coverage": left_out,
+                       "coverage": float(certificate.covered(err, v_hat, o_norm2, layer, comp).mean()),
+                       "left_out_coverage": left_out,
                        "rule": f"{rule[0]} {rule[1]:g}", "nominal": certificate.NOMINAL})
     return rows, checks
 
@@ -324,6 +278,16 @@ def load_cells(out: Path) -> tuple[dict[str, dict[str, np.ndarray]], list[dict[s
             label, name = key.split("|")
             arrays.setdefault(label, {})[name] = z[key]
     return arrays, json.loads((out / TURNS).read_text(encoding="utf-8"))
+
+
+def _shown(script_path: Path) -> str:
+    """A script's path as a record names it: from the package's ``agent/`` on for the shipped fixtures (the same
+    on every checkout), else as given."""
+    parts = Path(script_path).parts
+    for i in range(len(parts) - 1):
+        if parts[i:i + 2] == ("agent", "lab") and FIXTURES.parts[-3:] == parts[i + 2:i + 5]:
+            return str(Path(*parts[i:]))
+    return str(script_path)
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -384,7 +348,10 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         settings.command = f"{doc['meta'].get('command')} && {settings.command}"
         sources = [Path(x["source"]) for x in doc["meta"].get("scripts") or []] or sources  # what was replayed
         budgets = settings.budgets = list(doc["meta"].get("budgets") or budgets)
-        started -= sum(float(run.get("wall_s") or 0.0) for run in doc["runs"])  # the replay's own time counts
+        one_shot_results = batch.results_path(replace(settings, out=out / "one-shot"))
+        replays = [doc, *([aggregate.read_results(one_shot_results)] if one_shot_results.exists() else [])]
+        # the replays' own time counts
+        started -= sum(float(run.get("wall_s") or 0.0) for d in replays for run in d["runs"])
     else:
         n_jobs = len(scripts) * len(budgets)
         captured = ", the certificate captured at every probe" if args.certificate else ""
@@ -436,7 +403,8 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "command": settings.command, "machine": machine(),
             "threads": cfg.threads, "max_tokens": args.max_tokens,
-            "scripts": [str(p) for p in sources], "wall_s": {"replay": replayed, "total": time.monotonic() - started},
+            "scripts": [_shown(p) for p in sources],
+            "wall_s": {"replay": replayed, "total": time.monotonic() - started},
             "calibrations": [record], "multipliers": multipliers, "coverage_in_sample": coverage}
 
 
