@@ -197,3 +197,10 @@ def test_the_transfer_table_pairs_each_probe_with_the_full_caches_answer(tmp_pat
                                         "coverage": None}], "command": "python -m agent.lab.transfer"})
     assert "| m | seeds 02, 03 | calibrated | 3,11 | 4.80 (2%) | 2.0 |" in page
     assert "| m | s | 10% |" in page and "| m | seeds 18, 19 | 10% |" in page
+    # the coverage study is checked against the record's k for each protocol's rounds class
+    cal = {"multipliers": {"10%": 1.7}, "multipliers_one_shot": {"10%": 1.6}}
+    rows = {"10%": {"multi-round": {"multiplier": 1.7}, "one-shot": {"multiplier": 1.6}}}
+    assert transfer.stale_coverage({"calibration": cal, "coverage": {"rows": rows}}) == ""
+    rows["10%"]["one-shot"]["multiplier"] = 1.86  # measured under the multi-round k of an earlier record
+    assert "one-shot k 1.86 (this record's 1.60)" in transfer.stale_coverage({"calibration": cal,
+                                                                             "coverage": {"rows": rows}})

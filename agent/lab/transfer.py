@@ -95,6 +95,12 @@ def coverage(folder: Path) -> dict[str, Any]:
             "commit": study["meta"].get("commit")}
 
 
+def _multipliers(record: dict[str, Any], rounds: str) -> dict[str, float]:
+    """The record's k per budget for a rounds class ("2+" the multi-round protocol's, "1" the one-shot's; a record
+    without rounds classes fitted the multi-round one)."""
+    return {m["budget"]: m["multiplier"] for m in record.get("multipliers") or [] if m.get("rounds", "2+") == rounds}
+
+
 def model_entry(spec: str) -> dict[str, Any]:
     name, _, paths = spec.partition("=")
     parts = paths.split(",") + ["", ""]
@@ -105,7 +111,7 @@ def model_entry(spec: str) -> dict[str, Any]:
         "layers": gate["sketch"]["layers"], "tau": gate["tau"], "in_sample": gate["in_sample"],
         "separation": gate.get("separation"), "wall_s": record.get("wall_s"), "command": record.get("command"),
         "coverage_in_sample": record.get("coverage_in_sample"), "threads": record.get("threads"),
-        "multipliers": {m["budget"]: m["multiplier"] for m in record.get("multipliers") or []},
+        "multipliers": _multipliers(record, "2+"), "multipliers_one_shot": _multipliers(record, "1"),
         "scripts": [Path(x).stem for x in record.get("scripts") or []],
         "rule": {"filler_target": gate.get("filler_target"), **(gate.get("adaptive") or {})},
         "held_out_probe_rate": gate.get("held_out_probe_rate")},
@@ -141,13 +147,12 @@ def seeds_label(names: list[str]) -> str:
 def stale_coverage(entry: dict[str, Any]) -> str:
     """Where the coverage study ran under a multiplier k other than the record's (an earlier calibration of the
     model), which: a larger k only widens the certificate, so its coverage can only rise."""
-    mine = (entry["calibration"].get("multipliers") or {})
+    mine = {"multi-round": entry["calibration"].get("multipliers") or {},
+            "one-shot": entry["calibration"].get("multipliers_one_shot") or {}}
     out = []
     for budget, protocols in ((entry.get("coverage") or {}).get("rows") or {}).items():
         for protocol, got in protocols.items():
-            if protocol != "multi-round":  # the record's multipliers are the multi-round ones
-                continue
-            k, ours = got.get("multiplier"), mine.get(budget)
+            k, ours = got.get("multiplier"), mine.get(protocol, {}).get(budget)
             if k is not None and ours is not None and abs(k - ours) > 1e-6:
                 out.append(f"{budget} {protocol} k {k:.2f} (this record's {ours:.2f})")
     return "; ".join(out)
@@ -190,8 +195,8 @@ def render(doc: dict[str, Any]) -> str:
         mark = " †" if stale_coverage(e) else ""
 
         def cov(budget: str, entry: dict[str, Any] = e, mark: str = mark) -> str:
-            multi = _cov(entry, budget, "multi-round")  # the record's multipliers are the multi-round ones
-            return f"{multi}{mark if multi != '—' else ''} | {_cov(entry, budget, 'one-shot')}"
+            multi, one = _cov(entry, budget, "multi-round"), _cov(entry, budget, "one-shot")
+            return f"{multi}{mark if multi != '—' else ''} | {one}{mark if one != '—' else ''}"
 
         shown = False
         for hs in e.get("heldout") or []:
