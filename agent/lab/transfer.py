@@ -161,7 +161,8 @@ def stale_coverage(entry: dict[str, Any]) -> str:
 def render(doc: dict[str, Any]) -> str:
     lines = ["Calibration (`certchat calibrate`: ungated Poisson replays of the calibration scripts at 10% and 25%; "
              "the floor's filler share and the bar's factor chosen per model by the probes caught on scripts left "
-             "out of the floor's fit):", "",
+             "out of the floor's fit; the certificate's k per budget and rounds class, by the coverage of "
+             "conversations left out of its fit):", "",
              "| model | calibration scripts | verdict | sketch layers | floor τ (filler share) | bar factor | "
              "probes gated (left-out scripts) | fillers gated (later half) | "
              "AUC sketch / turn index (later-half fillers) | took |",
