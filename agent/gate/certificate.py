@@ -12,8 +12,9 @@ with the data, commands and held-out check that fixed them. λ_{b,l}‖ô‖² i
 cache the kept cells' K/V (and the question's rows) were computed over an evicted history, so the output moves
 away from the full cache's even where the sample is exact, and no variance of the sample sees that
 (docs/POISSON.md). λ is its moment estimate — the mean excess of the realised squared error over V̂, relative
-to ‖ô‖² — and k the split-conformal quantile of err / sqrt(V̂ + λ‖ô‖²), taken per calibration conversation
-and the largest kept (:func:`fit`). It is a calibrated bound, not a design-exact one. Without the file the
+to ‖ô‖² — and k a split-conformal quantile of err / sqrt(V̂ + λ‖ô‖²) (:func:`fit`), by the least conservative
+rule that covers calibration conversations left out of the fit at nominal (:func:`choose_rule`). It is a
+calibrated bound, not a design-exact one. Without the file the
 certificate is the uncalibrated sqrt(V̂)/‖ô‖.
 """
 
