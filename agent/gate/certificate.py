@@ -129,6 +129,12 @@ def fit_drift(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int) -> t
     return tuple(float(x) for x in np.where(np.isnan(lam), np.nanmax(lam), lam))
 
 
+def _scale(v_hat: Any, o_norm2: Any, layer: Any, drift: Any) -> np.ndarray:
+    """sqrt(V̂ + λ_l‖ô‖²) of each cell: the certificate before its multiplier, as ‖ô‖ times the relative."""
+    lam = np.asarray(drift, dtype=np.float64)[np.asarray(layer, dtype=np.int64)]
+    return np.sqrt(np.maximum(np.asarray(v_hat, dtype=np.float64), 0.0) + lam * np.asarray(o_norm2, dtype=np.float64))
+
+
 def fit(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int, groups: Any = None,
         level: float = NOMINAL) -> Component:
     """The calibrated certificate of a set of calibration cells: λ by :func:`fit_drift` over all of them, then k
@@ -137,8 +143,7 @@ def fit(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int, groups: An
     dependent (its questions' outputs drift together), so the conversation, not the cell, is the exchangeable
     unit, and a quantile pooled over cells leaves a new conversation under-covered as often as over."""
     drift = fit_drift(err, v_hat, o_norm2, layer, n_layer)
-    lam = np.asarray(drift)[np.asarray(layer, dtype=np.int64)]
-    scale = np.sqrt(np.maximum(np.asarray(v_hat, dtype=np.float64), 0.0) + lam * np.asarray(o_norm2, dtype=np.float64))
+    scale = _scale(v_hat, o_norm2, layer, drift)
     err = np.asarray(err, dtype=np.float64)
     if groups is None:
         return Component(conformal_multiplier(err, scale, level), drift)
@@ -167,10 +172,7 @@ def fit_by_rule(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int, gr
 
 def covered(err: Any, v_hat: Any, o_norm2: Any, layer: Any, comp: Component) -> np.ndarray:
     """Whether each cell's error is within the certificate ``comp`` shows for it (both as ‖ô‖ times the relative)."""
-    lam = np.asarray(comp.drift)[np.asarray(layer, dtype=np.int64)]
-    shown = comp.multiplier * np.sqrt(np.maximum(np.asarray(v_hat, dtype=np.float64), 0.0)
-                                      + lam * np.asarray(o_norm2, dtype=np.float64))
-    return np.asarray(np.asarray(err, dtype=np.float64) <= shown)
+    return np.asarray(np.asarray(err, dtype=np.float64) <= comp.multiplier * _scale(v_hat, o_norm2, layer, comp.drift))
 
 
 def left_out_coverage(err: Any, v_hat: Any, o_norm2: Any, layer: Any, n_layer: int, groups: Any,

@@ -362,8 +362,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
                 doc = batch.run(scripts, settings, cfg, observe=observed.attach)
                 # the first eviction round's certificate (rounds class "1": every kept cell decoded over the whole
                 # history) is its own fit; the chat shows it until a second round, and the multi-round k over-covers it
-                _say(f"{display}: the one-shot pass (each probe evicted once from the whole history), "
-                     f"{len(scripts) * len(budgets)} runs")
+                _say(f"{display}: the one-shot pass (each probe evicted once from the whole history), {n_jobs} runs")
                 one_shot = replace(settings, out=out / "one-shot", protocols=("one-shot",), generate_fillers=False,
                                    max_tokens=min(args.max_tokens, ONE_SHOT_MAX_TOKENS))
                 batch.run(scripts, one_shot, cfg, observe=observed.attach)
