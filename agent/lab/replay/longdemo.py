@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from agent import models
 from agent.config import Config
-from agent.lab.replay import aggregate, report
+from agent.lab.replay import aggregate, figures, report
 from agent.lab.replay.batch import Settings, results_path
 from agent.lab.replay.rank_stats import paired_difference
 from agent.lab.replay.runner import Job, Runner, default_store_path, plan_jobs, shard, unique_names
@@ -467,10 +467,7 @@ def json_line(doc: dict[str, Any]) -> str:
 # -- plots -------------------------------------------------------------------------------------
 def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     """Turn wall time by turn, and the certificate by turn, one line per policy (per script)."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = figures.pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -491,15 +488,9 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         for t in probe_turns:
             ax.axvline(t, color="0.85", lw=0.6, zorder=0)
         ax.set_yscale("log")
-        ax.set_xlabel("user turn (grey lines: probes)")
-        ax.set_ylabel("turn wall time (s, log)")
-        ax.set_title(f"Turn time by turn: {name} ({tail})", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}long-turn_time.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(figures.save(fig, ax, out_dir / f"{prefix}long-turn_time.png",
+                                    xlabel="user turn (grey lines: probes)", ylabel="turn wall time (s, log)",
+                                    title=f"Turn time by turn: {name} ({tail})"))
 
         cert = [r for r in runs if report.certified(r["policy"].split("@")[0])
                 and any(s["certificate"] is not None for s in r["steps"])]
@@ -523,15 +514,9 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         report.plot_thresholds(ax, cert)
         # the sketch's anomaly spans 1 to hundreds: linear below 1 (a certificate's range), logarithmic above
         ax.set_yscale("symlog", linthresh=1.0)
-        ax.set_xlabel("user turn")
-        ax.set_ylabel("turn certificate (gate statistic)")
-        ax.set_title(f"Certificate by turn: {name} ({tail}); dashed: τ", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}long-certificate_by_turn.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(figures.save(fig, ax, out_dir / f"{prefix}long-certificate_by_turn.png", xlabel="user turn",
+                                    ylabel="turn certificate (gate statistic)",
+                                    title=f"Certificate by turn: {name} ({tail}); dashed: τ"))
     return written
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.eviction import policies
+from agent.lab.replay import figures
 from agent.lab.replay.aggregate import table
 
 
@@ -125,10 +126,7 @@ def markdown_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def plots(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
     """recall by policy, recall against distance, the gate statistic per turn — as PNG files."""
-    import matplotlib  # noqa: PLC0415 — heavy; only when plotting
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = figures.pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -154,16 +152,10 @@ def plots(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
         ax.axhline(r["recall"], color="C0", ls="--", lw=1, label=f"full cache ({r['protocol']})" if n == 0 else None)
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
     ax.set_xticklabels([f"{b}\n{p}" if len({g[0] for g in groups}) > 1 else b for p, b in groups])
-    ax.set_xlabel("KV budget")
-    ax.set_ylabel("recall (containment)")
     ax.set_ylim(0, 1.12)
-    ax.set_title(f"Recall by policy and budget ({title_tail})", fontsize=9)
-    ax.legend(fontsize=7, ncol=2, loc="upper left")
-    fig.tight_layout()
-    path = out_dir / f"{prefix}recall.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(figures.save(fig, ax, out_dir / f"{prefix}recall.png", xlabel="KV budget",
+                                ylabel="recall (containment)", title=f"Recall by policy and budget ({title_tail})",
+                                ncol=2, loc="upper left"))
 
     # 2. recall against distance (turns between the fact and the probe)
     by: dict[tuple[str, str], dict[int, list[bool]]] = defaultdict(lambda: defaultdict(list))
@@ -177,16 +169,10 @@ def plots(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
             xs = sorted(bins)
             ax.plot(xs, [sum(bins[x]) / len(bins[x]) for x in xs], marker="o",
                     label=f"{POLICY_LABEL.get(policy, policy)} {budget if policy != 'full' else ''}".strip())
-        ax.set_xlabel("distance (user turns between fact and probe; binned)")
-        ax.set_ylabel("recall")
         ax.set_ylim(-0.02, 1.05)
-        ax.set_title(f"Recall against distance ({title_tail})", fontsize=9)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}recall_by_distance.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(figures.save(fig, ax, out_dir / f"{prefix}recall_by_distance.png",
+                                    xlabel="distance (user turns between fact and probe; binned)", ylabel="recall",
+                                    title=f"Recall against distance ({title_tail})", ncol=2))
 
     # 3. the gate statistic per turn: probes against fillers, with τ
     # deterministic designs certify 0 by construction (π = 1): only the randomised ones are informative
@@ -201,15 +187,9 @@ def plots(doc: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
                 turns, values = zip(*pts)
                 ax.scatter(turns, values, marker=marker, s=14, label=kind, alpha=0.7)
         plot_thresholds(ax, cert_runs)
-        ax.set_xlabel("user turn")
-        ax.set_ylabel("turn certificate (gate statistic)")
-        ax.set_title(f"Gate statistic per turn ({title_tail})", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}certificate_by_turn.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(figures.save(fig, ax, out_dir / f"{prefix}certificate_by_turn.png", xlabel="user turn",
+                                    ylabel="turn certificate (gate statistic)",
+                                    title=f"Gate statistic per turn ({title_tail})"))
     return written
 
 
@@ -226,10 +206,7 @@ def gating_plot(result: dict[str, Any], out_dir: Path, prefix: str = "",
                 statistics: tuple[str, ...] = ("question.q", "question.max", "answer.q", "turn_index")
                 ) -> list[Path]:
     """Recall against recompute rate (share of all turns re-prefilled): certificate gates vs random."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = figures.pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -245,15 +222,10 @@ def gating_plot(result: dict[str, Any], out_dir: Path, prefix: str = "",
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=name)
         ax.axhline(row["recall_full"], color="C0", ls=":", lw=1, label="full cache")
-        ax.set_xlabel("recompute rate (share of all user turns re-prefilled)")
-        ax.set_ylabel("probe recall")
         ax.set_ylim(-0.02, 1.05)
-        ax.set_title(f"Gating at matched recompute rates: {row['policy']} {row['budget']} {row['protocol']} "
-                     f"({result['meta'].get('model')})", fontsize=8)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}gating-{row['budget'].rstrip('%')}-{row['protocol']}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(figures.save(
+            fig, ax, out_dir / f"{prefix}gating-{row['budget'].rstrip('%')}-{row['protocol']}.png",
+            xlabel="recompute rate (share of all user turns re-prefilled)", ylabel="probe recall",
+            title=f"Gating at matched recompute rates: {row['policy']} {row['budget']} {row['protocol']} "
+                  f"({result['meta'].get('model')})", title_size=8))
     return written
