@@ -66,6 +66,11 @@ def lib() -> Any:
     return llama_cpp
 
 
+def supports_gpu_offload() -> bool:
+    """Whether the loaded library can offload layers to a GPU (a CUDA build)."""
+    return bool(lib().llama_supports_gpu_offload())
+
+
 # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line.
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR, 5: logging.DEBUG}
 
@@ -490,6 +495,11 @@ class Context:
     def keys(self, seq_id: int, layers: Sequence[int], positions: Sequence[int] | np.ndarray) -> np.ndarray:
         """K rows (after RoPE, F32) of the sequence's cells at ``positions`` for ``layers``: [layers, pos, width]."""
         return patched.get_keys(self.handle, layers, positions, seq_id)
+
+    def kv_row_bytes(self, seq_id: int = 0) -> int:
+        """The bytes of one cell's K/V row over all layers, as :meth:`kv_rows` reads it (patch 0007); raises
+        :class:`native.patched.PatchError` where the cache cannot give one (iSWA, recurrent or hybrid memory)."""
+        return patched.rows_size(self.handle, seq_id)
 
     def kv_rows(self, seq_id: int, positions: Sequence[int] | np.ndarray) -> np.ndarray:
         """Every layer's K/V bytes of the sequence's cells at ``positions``: [pos, row bytes] (patch 0007)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import importlib.metadata
 import platform
 import sqlite3
@@ -14,9 +13,8 @@ from agent import models, paths
 from agent.chat.saved_state import SavedStates, state_dir
 from agent.eviction import policies
 from agent.gate import calibration
-from native import runtime
-
-PATCH_MARKER = "llama_certchat_patch_version"
+from memory_store.locking import LOCK_SUFFIX
+from native import llama, patched, runtime
 
 
 def _version(dist: str) -> str | None:
@@ -50,11 +48,9 @@ def report() -> dict[str, Any]:
         "errors": [],
     }
     out["warnings"] = []
-    if wal_reset_race(sqlite3.sqlite_version):
-        out["warnings"].append(
-            f"Python's SQLite {sqlite3.sqlite_version} is in the range affected by SQLite's WAL-reset race "
-            "(3.7.0–3.51.2, fixed in 3.51.3): certchat writes one log from several connections, so a rare "
-            "interleaving can lose a commit; use a Python whose sqlite3 is 3.51.3 or newer")
+    # SQLite's WAL-reset bug (3.7.0–3.51.2) needs a checkpoint overlapping a commit; the store rules that out.
+    out["log_writes"] = (f"commits and checkpoints serialised under {paths.db_path().name}{LOCK_SUFFIX}, "
+                         "no autocheckpoints (safe from SQLite's WAL-reset bug)")
     out["saved_states"] = _saved_states()
     out["models"] = {}
     for name in models.REGISTRY:
@@ -68,16 +64,11 @@ def report() -> dict[str, Any]:
         libs = runtime.built_libs()
         out["cuda"] = libs.cuda
         out["build_key"] = libs.key
-        llama_cpp = runtime.llama_cpp()
-        loaded = runtime.llama_cdll()
-        out["library_path"] = str(loaded._name)
-        marker = getattr(loaded, PATCH_MARKER, None)
-        if marker is not None:
-            marker.restype = ctypes.c_int32
-            marker.argtypes = []
-            out["patched"] = True
-            out["patch_version"] = int(marker())
-        out["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
+        out["library_path"] = str(runtime.llama_cdll()._name)
+        level = patched.patch_version()
+        out["patched"] = level is not None
+        out["patch_version"] = level
+        out["gpu_offload"] = llama.supports_gpu_offload()
         for key, cuda in (("core_library", False), ("core_cuda_library", True)):
             try:
                 out[key] = str(runtime.core_library_path(cuda))
@@ -121,15 +112,6 @@ def gate_report() -> dict[str, Any]:
             "note": f"{reason}; {calibration.UNCALIBRATED_HOW}" if held else None}
 
 
-def wal_reset_race(version: str) -> bool:
-    """Whether SQLite ``version`` has the WAL-reset race."""
-    try:
-        parts = tuple(int(x) for x in version.split(".")[:3])
-    except ValueError:
-        return False
-    return (3, 7, 0) <= parts <= (3, 51, 2)
-
-
 def render(data: dict[str, Any]) -> str:
     """Human-readable report."""
     yes = {True: "yes", False: "no"}
@@ -155,6 +137,8 @@ def render(data: dict[str, Any]) -> str:
         f"config            : {data['config_path']}",
         f"database          : {data['db_path']}",
     ]
+    if data.get("log_writes"):
+        lines.append(f"log writes        : {data['log_writes']}")
     saved = data.get("saved_states")
     if saved:
         lines.append(f"saved chat states : {saved['count']} in {saved['dir']}, {saved['bytes'] / 2**20:.1f} MiB of "

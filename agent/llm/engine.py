@@ -237,7 +237,7 @@ class Engine:
             self.rows.resize(budget_mb << 20)
         else:
             try:
-                row_bytes = patched.rows_size(self.ctx.handle, self.SEQ)
+                row_bytes = self.ctx.kv_row_bytes(self.SEQ)
             except patched.PatchError:
                 return  # iSWA or recurrent memory: re-reads decode, as without the rows
             self.rows = EvictedRows(row_bytes, budget_mb << 20)

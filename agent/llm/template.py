@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from native import llama
+from native.chat_format import ChatFormatter
 
 Message = dict[str, str]
 
@@ -30,11 +31,8 @@ class ChatTemplate:
     eos_token: str
 
     def __post_init__(self) -> None:
-        llama.lib()  # llama_chat_format imports llama_cpp: bind it to our library first
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: PLC0415
-
-        self._open = Jinja2ChatFormatter(self.source, self.eos_token, self.bos_token, add_generation_prompt=True)
-        self._closed = Jinja2ChatFormatter(self.source, self.eos_token, self.bos_token, add_generation_prompt=False)
+        self._open = ChatFormatter(self.source, self.bos_token, self.eos_token, add_generation_prompt=True)
+        self._closed = ChatFormatter(self.source, self.bos_token, self.eos_token, add_generation_prompt=False)
 
     @classmethod
     def for_model(cls, model: llama.Model) -> "ChatTemplate":
@@ -50,7 +48,7 @@ class ChatTemplate:
     def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         formatter = self._open if add_generation_prompt else self._closed
         try:
-            return formatter(messages=list(messages)).prompt  # type: ignore[arg-type]
+            return formatter.render(messages)
         except Exception as err:  # jinja raises many kinds; the template's own raise_exception too
             raise TemplateError(f"the chat template failed to render: {err}") from err
 
