@@ -13,7 +13,8 @@ import pytest
 from agent.chat.session import ChatSession
 from agent.config import EVICT_AT, Config, ConfigError
 from agent.gate import calibration
-from agent.gate.decision import SHARE_FLOOR, recorded_ratios
+from agent.gate.decision import SHARE_FLOOR
+from agent.lab.fits.sketch_records import recorded_ratios
 from agent.lab.replay import drive
 from agent.llm.engine import Engine, EngineSettings
 from memory_store.store import Store

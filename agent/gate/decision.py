@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class TurnCertificates:
     """The model layers the sketch scored (the order of every per-layer list in ``sketch_messages``)."""
     sketch_messages: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Per message index with evicted cells: enough to recompute ``sketch.max`` offline for any subset of the
-    layers (``agent/lab/fits/sketch_layers.py``): see :meth:`Gate.read_sketch`."""
+    layers (``agent/lab/fits/sketch_records.py`` reads it back): see :meth:`Gate.read_sketch`."""
     discarded: bool = False
     """The turn was rolled back (an independent probe)."""
 
@@ -156,22 +156,6 @@ targeted re-read ever takes (``MAX_TARGETED``), read from the log in one query."
 
 MessageTexts = Callable[[Sequence[int]], dict[int, str]]
 """The log's text of the messages at some indices (the session reads them from the store)."""
-
-
-def recorded_shares(messages: dict[str, dict[str, Any]],
-                    skip: Collection[int] = ()) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """From a turn's recorded ``sketch.messages`` (see :meth:`Gate.read_sketch`): per message more than half
-    evicted with a baseline, not a question the turn repeats and not in ``skip`` — the messages ``sketch.max``
-    ranges over — its share and its baseline in each sketch layer."""
-    return {int(m): (np.asarray(v["share"], float), np.asarray(v["base"], float))
-            for m, v in messages.items()
-            if v["base"] is not None and v["evicted"] > v["live"] and not v.get("repeat") and int(m) not in skip}
-
-
-def recorded_ratios(messages: dict[str, dict[str, Any]], skip: Collection[int] = ()) -> dict[int, np.ndarray]:
-    """Per message of :func:`recorded_shares`, its ratio share / max(base, SHARE_FLOOR) in each sketch layer —
-    what ``sketch.max`` takes the largest of, recomputed offline for any subset of the recorded layers."""
-    return {m: share / np.maximum(base, SHARE_FLOOR) for m, (share, base) in recorded_shares(messages, skip).items()}
 
 
 def _sig(x: Any) -> Any:

@@ -48,7 +48,7 @@ from agent import models
 from agent.cli import errors as cli_errors
 from agent.gate import calibration, certificate
 from agent.gate.calibration import Adaptive
-from agent.gate.decision import recorded_ratios
+from agent.lab.fits.sketch_records import recorded_ratios
 from agent.lab.replay.rank_stats import auc, in_later_half
 
 FIXTURES = Path(__file__).parent / "replay" / "fixtures" / "recall30"

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.gate.decision import recorded_ratios
+from agent.lab.fits.sketch_records import recorded_ratios
 from agent.lab.replay import aggregate
 from agent.lab.replay.rank_stats import auc
 

@@ -33,7 +33,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from agent.gate.decision import SHARE_FLOOR, recorded_shares
+from agent.gate.decision import SHARE_FLOOR
+from agent.lab.fits.sketch_records import recorded_shares
 from agent.lab.replay import aggregate
 from agent.lab.replay.rank_stats import auc, spearman
 
