@@ -7,6 +7,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -101,8 +102,27 @@ def test_message_validation(store: Store) -> None:
     assert store.messages(c.id) == []
 
 
-def test_stream_commits_partial_content_within_a_second(store: Store) -> None:
+def test_stream_commits_partial_content_from_its_own_thread_while_open(store: Store,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # how soon the commit lands is measured by scripts/bench_stream_commit.py; here: that it lands, off the
+    # appending thread, while the answer is still open
     c = store.create_conversation()
+    committed = threading.Event()
+    committers: list[threading.Thread] = []
+    real_writer = store._stream_writer
+
+    def observed_writer(conn: sqlite3.Connection | None) -> Any:
+        write = real_writer(conn)
+
+        def recording(message_id: int, content: str, blob: bytes, first_pos: int | None, status: str,
+                      *rest: Any) -> None:
+            write(message_id, content, blob, first_pos, status, *rest)
+            if status == "partial" and content == "Hello, world":
+                committers.append(threading.current_thread())
+                committed.set()
+        return recording
+
+    monkeypatch.setattr(store, "_stream_writer", observed_writer)
     with store.stream_assistant(c.id, first_pos=10) as stream:
         # The row exists, partial, as soon as the stream starts.
         assert raw_rows(store.path, "SELECT status, content FROM messages WHERE id = ?", (stream.message_id,)) == [
@@ -110,14 +130,10 @@ def test_stream_commits_partial_content_within_a_second(store: Store) -> None:
         ]
         stream.append("Hello", [101])
         stream.append(", world", [102, 103])
-        appended_at = time.monotonic()
-        while True:
-            rows = raw_rows(store.path, "SELECT status, content, tokens FROM messages WHERE id = ?", (stream.message_id,))
-            if rows[0][1] == "Hello, world":
-                break
-            assert time.monotonic() - appended_at < 1.0, "partial content not committed within 1 s"
-            time.sleep(0.02)
-        assert rows[0][0] == "partial"
+        assert committed.wait(timeout=60), "the stream never committed its partial content"
+        assert committers[0] is not threading.current_thread()
+        rows = raw_rows(store.path, "SELECT status, content, tokens FROM messages WHERE id = ?", (stream.message_id,))
+        assert rows[0][:2] == ("partial", "Hello, world")
         assert np.frombuffer(rows[0][2], "<i4").tolist() == [101, 102, 103]
     final = store.get_message(stream.message_id)
     assert (final.status, final.content, final.tokens.tolist(), final.first_pos) == (
