@@ -6,18 +6,23 @@ line that names it and is never overwritten. The connection runs in driver
 autocommit mode (``isolation_level=None``); writers open their own
 ``BEGIN IMMEDIATE`` transactions so that two processes never deadlock on a
 read-to-write upgrade (which SQLite answers with SQLITE_BUSY at once, without
-waiting for ``busy_timeout``).
+waiting for ``busy_timeout``). Every write transaction and every checkpoint
+holds the log's write lock (``memory_store.locking``), and no connection
+checkpoints on its own (``wal_autocheckpoint = 0``): SQLite's WAL-reset bug
+(3.7.0–3.51.2) corrupts a file when a checkpoint overlaps a commit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+from memory_store import locking
 from memory_store.errors import (
     CorruptDatabaseError,
     DatabaseMissingError,
@@ -33,6 +38,11 @@ BUSY_TIMEOUT_MS = 15_000
 # The WAL is truncated back to this size after a checkpoint, so a reader holding an old
 # snapshot for a long time cannot leave a huge file behind for good.
 JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
+
+# A process checkpoints the WAL itself after this many of its commits (and when it closes the
+# file): autocheckpoints are off, see the module docstring. At about 10 pages a commit this keeps
+# the WAL near SQLite's default autocheckpoint size of 1000 pages.
+CHECKPOINT_EVERY = 100
 
 # Error codes that mean "the bytes on disk are not a usable database".
 _DAMAGE_CODES = {"SQLITE_CORRUPT", "SQLITE_NOTADB"}
@@ -127,6 +137,8 @@ def _open(path: Path, *, read_only: bool, immutable: bool = False) -> sqlite3.Co
         with sqlite_errors(path):
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             conn.execute("PRAGMA foreign_keys = ON")
+            # No commit checkpoints implicitly: checkpoints run only under the write lock (``checkpoint``).
+            conn.execute("PRAGMA wal_autocheckpoint = 0")
     except BaseException:
         conn.close()
         raise
@@ -190,7 +202,8 @@ def connect(
 
 def enable_wal(conn: sqlite3.Connection, path: Path) -> None:
     """Switch to WAL (readers never block the writer) with full-sync commits."""
-    with sqlite_errors(path):
+    with write_lock(path), sqlite_errors(path):
+        # Under the write lock: switching a fresh file to WAL writes its header.
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise StoreError(f"{path}: cannot switch to WAL journal mode (got {mode!r})")
@@ -200,24 +213,103 @@ def enable_wal(conn: sqlite3.Connection, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def write_transaction(conn: sqlite3.Connection, path: Path) -> Iterator[sqlite3.Connection]:
-    """``BEGIN IMMEDIATE`` … ``COMMIT``; any exception (Ctrl-C included) rolls back.
+def write_lock(path: Path, timeout: float | None = BUSY_TIMEOUT_MS / 1000) -> Iterator[locking.WriteLock]:
+    """Hold the log's write lock (every thread and process) for the block; reentrant within a thread.
 
-    IMMEDIATE takes the write lock up front, so the busy handler waits for a
-    peer writer instead of failing on a read-to-write upgrade.
+    Waits at most ``timeout`` seconds (like ``busy_timeout``: a wedged peer surfaces as an error).
     """
-    with sqlite_errors(path):
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+    lock = locking.for_database(path)
+    try:
+        with lock.held(timeout):
+            yield lock
+    except locking.LockTimeout:
+        raise StoreError(
+            f"{path}: database is locked (another certchat writer held {lock.path.name} for {timeout or 0:g} s); "
+            "nothing was written — retry"
+        ) from None
+    except OSError as error:
+        if error.filename is None or os.fspath(error.filename) != os.fspath(lock.path):
             raise
-        else:
+        raise _lock_file_error(path, lock.path, error) from error
+
+
+def _lock_file_error(path: Path, lock_file: Path, error: OSError) -> StoreError:
+    """The write lock's file could not be opened: say so in the words of the matching SQLite error."""
+    if error.errno == errno.ENOSPC:
+        return DiskFullError(
+            f"{path}: the disk is full (cannot create {lock_file.name}); this write was not saved, everything "
+            "committed before it is kept — free some space and retry"
+        )
+    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return ReadOnlyError(
+            f"{path}: the log is read-only (cannot open {lock_file.name}: {error.strerror}); `certchat log list`/"
+            "`log show` still read it — to write, make the file and its directory writable or pass --db"
+        )
+    return StoreError(f"{path}: cannot open its write lock {lock_file.name} ({error.strerror})")
+
+
+def checkpoint(
+    conn: sqlite3.Connection, path: Path, *, timeout: float | None = BUSY_TIMEOUT_MS / 1000
+) -> tuple[int, int]:
+    """Copy the WAL's committed pages into the database file, under the write lock.
+
+    PASSIVE: it never waits for readers, so holding the lock stays short; pages a reader's snapshot
+    still needs are copied by a later checkpoint. Returns (frames in the WAL, frames checkpointed).
+    """
+    with write_lock(path, timeout) as lock, sqlite_errors(path):
+        _busy, frames, done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        lock.commits = 0
+        return int(frames), int(done)
+
+
+def close(conn: sqlite3.Connection, path: Path, *, read_only: bool = False, checkpoint_first: bool = True) -> None:
+    """Close a connection; a read-write one under the write lock, checkpointing this process's commits first
+    (unless not ``checkpoint_first``: a file being refused is left as it is).
+
+    Closing the last connection to a file checkpoints it too, so that happens under the lock as well.
+    """
+    if read_only:
+        conn.close()
+        return
+    try:
+        with write_lock(path) as lock:
+            if checkpoint_first and lock.commits and not conn.in_transaction:
+                with contextlib.suppress(StoreError):  # the commits are safe in the WAL; a later one copies them
+                    checkpoint(conn, path)
+            conn.close()
+    except StoreError:
+        # The lock stayed busy: its holder has the file open, so this is not the last connection and
+        # closing it checkpoints nothing.
+        conn.close()
+
+
+@contextlib.contextmanager
+def write_transaction(conn: sqlite3.Connection, path: Path) -> Iterator[sqlite3.Connection]:
+    """The write lock plus ``BEGIN IMMEDIATE`` … ``COMMIT``; any exception (Ctrl-C included) rolls back.
+
+    IMMEDIATE takes SQLite's write lock up front, so the busy handler waits for a
+    writer outside certchat instead of failing on a read-to-write upgrade. Every
+    ``CHECKPOINT_EVERY`` commits of this process, a checkpoint follows the commit
+    under the same lock.
+    """
+    with write_lock(path) as lock:
+        with sqlite_errors(path):
+            conn.execute("BEGIN IMMEDIATE")
             try:
-                conn.execute("COMMIT")
+                yield conn
             except BaseException:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            else:
+                try:
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+        lock.commits += 1
+        if lock.commits >= CHECKPOINT_EVERY:
+            # The commit is durable in the WAL already: a failed checkpoint is retried after the next one.
+            with contextlib.suppress(StoreError):
+                checkpoint(conn, path)

@@ -37,6 +37,7 @@ from memory_store.errors import (
     ConversationBusyError,
     ForeignDatabaseError,
     NotFoundError,
+    ReadOnlyError,
     SchemaTooNewError,
     StoreError,
     StreamLostError,
@@ -81,6 +82,18 @@ def _json_object(value: dict[str, Any] | None, what: str) -> str:
     if not isinstance(value, dict):
         raise TypeError(f"{what} must be a dict, got {type(value).__name__}")
     return json.dumps(value, ensure_ascii=False, sort_keys=True)
+
+
+def _insert_conversation(
+    conn: sqlite3.Connection, title: str, model: str | None, settings: dict[str, Any] | None, now: str
+) -> int:
+    """Inside a write transaction: a new conversation's row; returns its id."""
+    cur = conn.execute(
+        "INSERT INTO conversations (title, model, settings, created_at, updated_at) VALUES (?, ?, ?, ?, ?)",
+        (title, model, _json_object(settings, "settings"), now, now),
+    )
+    assert cur.lastrowid is not None
+    return cur.lastrowid
 
 
 def _known_fields(cls: type, row: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +168,7 @@ class Store:
                 self.recovered = self.recover_interrupted()
                 self.unanswered = self.recover_unanswered()
         except BaseException:
-            conn.close()
+            dbmod.close(conn, self.path, read_only=read_only, checkpoint_first=False)
             raise
 
     # -- lifecycle ------------------------------------------------------------------
@@ -201,7 +214,19 @@ class Store:
             except StoreError:
                 pass  # a dead writer's claim is taken over by the next one anyway
         with self._lock:
-            self._conn.close()
+            dbmod.close(self._conn, self.path, read_only=self.read_only)
+
+    def checkpoint(self, *, timeout: float | None = dbmod.BUSY_TIMEOUT_MS / 1000) -> tuple[int, int]:
+        """Copy the WAL's committed pages into the database file now, under the write lock.
+
+        The store also does this by itself (every ``db.CHECKPOINT_EVERY`` commits of this process, and on
+        close). Waits at most ``timeout`` seconds for another writer (StoreError after). Returns (frames in
+        the WAL, frames checkpointed); fewer checkpointed while a reader still needs older pages.
+        """
+        if self.read_only:
+            raise ReadOnlyError(f"{self.path}: opened read-only; a checkpoint writes the database file")
+        with self._lock:
+            return dbmod.checkpoint(self._conn, self.path, timeout=timeout)
 
     def __enter__(self) -> Store:
         return self
@@ -212,8 +237,15 @@ class Store:
     def _side_connection(self) -> sqlite3.Connection:
         """A second connection to the same file (for a stream's flusher thread)."""
         conn = dbmod.connect(self.path, create=False, check=False)
-        dbmod.enable_wal(conn, self.path)
+        try:
+            dbmod.enable_wal(conn, self.path)
+        except BaseException:
+            dbmod.close(conn, self.path, checkpoint_first=False)
+            raise
         return conn
+
+    def _close_side_connection(self, conn: sqlite3.Connection) -> None:
+        dbmod.close(conn, self.path)
 
     def _read(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         with self._lock, dbmod.sqlite_errors(self.path):
@@ -235,14 +267,8 @@ class Store:
         self, title: str = "", *, model: str | None = None, settings: dict[str, Any] | None = None
     ) -> Conversation:
         check_text(title, "title")
-        now = utc_now()
         with self._write() as conn:
-            cur = conn.execute(
-                "INSERT INTO conversations (title, model, settings, created_at, updated_at) VALUES (?, ?, ?, ?, ?)",
-                (title, model, _json_object(settings, "settings"), now, now),
-            )
-            cid = cur.lastrowid
-        assert cid is not None
+            cid = _insert_conversation(conn, title, model, settings, utc_now())
         return self.get_conversation(cid)
 
     def get_conversation(self, conversation_id: int) -> Conversation:
@@ -831,12 +857,7 @@ class Store:
         check_text(title, "title")
         now = utc_now()
         with self._write() as conn:
-            cur = conn.execute(
-                "INSERT INTO conversations (title, model, settings, created_at, updated_at) VALUES (?, ?, ?, ?, ?)",
-                (title, model, _json_object(settings, "settings"), now, now),
-            )
-            cid = cur.lastrowid
-            assert cid is not None
+            cid = _insert_conversation(conn, title, model, settings, now)
             for item in items:
                 status = item.get("status", "complete")
                 self._insert_message(
@@ -858,6 +879,12 @@ class _LockedTransaction:
         self._tx: Any = None
 
     def __enter__(self) -> sqlite3.Connection:
+        if self._store.read_only:
+            # Refused before the write lock, whose file a read-only store must not create.
+            raise ReadOnlyError(
+                f"{self._store.path}: the log is read-only (opened read-only); `certchat log list`/`log show` "
+                "still read it — to write, make the file and its directory writable or pass --db"
+            )
         if self._side is None:
             self._store._lock.acquire()
         try:

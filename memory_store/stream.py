@@ -38,6 +38,8 @@ class StreamHost(Protocol):
 
     def _side_connection(self) -> sqlite3.Connection: ...
 
+    def _close_side_connection(self, conn: sqlite3.Connection) -> None: ...
+
     def _stream_writer(self, conn: sqlite3.Connection | None) -> Callable[..., None]: ...
 
     def get_message(self, message_id: int) -> Message: ...
@@ -236,7 +238,10 @@ class AssistantStream:
             self.last_flush_error = error
         finally:
             if conn is not None:
-                conn.close()
+                try:
+                    self._store._close_side_connection(conn)
+                except BaseException as error:
+                    self.last_flush_error = error
 
     def _close(self, status: str) -> Message:
         if self._result is not None:
