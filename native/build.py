@@ -31,6 +31,7 @@ import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Callable
 
@@ -85,6 +86,10 @@ class BuildOptions:
     """No progress output (errors still raise)."""
     core_cuda: bool | None = None
     """Compile our .cu sources too; default: whenever nvcc exists (even with no GPU)."""
+    cpu: str = field(default_factory=lambda: os.environ.get("CERTCHAT_CPU", "native"))
+    """Which x86 instruction set ggml's CPU kernels target: ``native`` (the build machine's, ``GGML_NATIVE``) or
+    ``avx2`` (AVX2/FMA/F16C/BMI2, no AVX-512: runs on any x86 CPU of the last decade, and computes as an AVX2-only
+    machine does). ``CERTCHAT_CPU`` sets it."""
 
 
 class Progress:
@@ -259,10 +264,55 @@ def _core_sources() -> list[Path]:
 X86_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
+CPU_TARGETS = ("native", "avx2")
+# GGML_NATIVE off, ggml's x86 options name what its kernels use; AVX-512 stays off so that float results (and so
+# greedy answers) are those of an AVX2-only CPU.
+AVX2_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+              "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF")
+# The compiler macros that say which instruction sets `-march=native` turns on: what a GGML_NATIVE build needs.
+_ISA_MACRO = re.compile(r"^#define __(SSE\d?_?\d?|SSSE3|AVX\w*|FMA|F16C|BMI2?|AMX\w*)__ 1$")
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def check_cpu(cpu: str) -> None:
+    if cpu not in CPU_TARGETS:
+        raise BuildError(f"build step 'configure' failed: unknown CPU target {cpu!r} (CERTCHAT_CPU); "
+                         f"use one of: {', '.join(CPU_TARGETS)}")
+
+
+@cache
+def native_isa() -> tuple[str, ...]:
+    """The instruction sets ``-march=native`` enables on this machine (``AVX512F``, ``FMA``, …), from the C
+    compiler's own macros: a GGML_NATIVE build of ggml runs only where all of them exist."""
+    if not _is_x86():
+        return (platform.machine(),)
+    try:
+        out = subprocess.run(["cc", "-march=native", *X86_NO_AMX.split(), "-dM", "-E", "-x", "c", "-"], input="",
+                             capture_output=True, text=True, check=False, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ("unknown",)
+    found = sorted({m.group(1) for line in out.stdout.splitlines() if (m := _ISA_MACRO.match(line.strip()))})
+    return tuple(found) or ("unknown",)
+
+
+def cpu_target(opts: BuildOptions) -> str:
+    """What the CPU kernels are compiled for, in words: ``avx2``, or ``native:`` and the ISA list."""
+    check_cpu(opts.cpu)
+    if opts.cpu == "avx2" or not _is_x86():
+        return opts.cpu
+    return "native:" + ",".join(native_isa())
+
+
 def llama_flags(opts: BuildOptions, cuda_arch: str | None) -> list[str]:
+    check_cpu(opts.cpu)
     flags = list(LLAMA_FLAGS)
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    if _is_x86():
         flags += [f"-DCMAKE_C_FLAGS={X86_NO_AMX}", f"-DCMAKE_CXX_FLAGS={X86_NO_AMX}"]
+        if opts.cpu == "avx2":
+            flags += list(AVX2_FLAGS)
     if opts.cuda:
         flags += list(CUDA_FLAGS) + [f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}"]
     return flags
@@ -276,12 +326,14 @@ def _compilers(cuda: bool) -> bytes:
 
 
 def llama_key(opts: BuildOptions, cuda_arch: str | None) -> str:
-    """Hash of everything that changes libllama/libggml: sdist, patches, flags, compilers."""
+    """Hash of everything that changes libllama/libggml: sdist, patches, flags, compilers, and the instruction sets
+    the CPU kernels target (a native build from an AVX-512 machine must not be reused on an AVX2 one)."""
     digest = hashlib.sha256()
     digest.update(SDIST_SHA256.encode())
     for path in patch_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(json.dumps(llama_flags(opts, cuda_arch)).encode())
+    digest.update(cpu_target(opts).encode())
     digest.update(_compilers(opts.cuda))
     return digest.hexdigest()[:16]
 
@@ -323,8 +375,8 @@ def _publish(llama_build: Path, core_build: Path | None, lib_dir: Path) -> None:
         shutil.copy2(src, dest, follow_symlinks=False)
 
 
-def _write_pointer(lib_dir: Path, key: str, cuda: bool, core_cuda: bool) -> None:
-    data = {"lib_dir": str(lib_dir), "key": key, "cuda": cuda, "core_cuda": core_cuda}
+def _write_pointer(lib_dir: Path, key: str, cuda: bool, core_cuda: bool, cpu: str) -> None:
+    data = {"lib_dir": str(lib_dir), "key": key, "cuda": cuda, "core_cuda": core_cuda, "cpu": cpu}
     tmp = POINTER_FILE.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(POINTER_FILE)
@@ -354,7 +406,7 @@ def build(opts: BuildOptions, progress_factory: Callable[[bool], Progress] = Pro
     key = f"{lkey}-{ckey}"
     lib_dir = cache / "lib" / key
     if (lib_dir / "PUBLISHED").exists() and (lib_dir / "libllama.so").exists():
-        _write_pointer(lib_dir, key, opts.cuda, core_cuda)
+        _write_pointer(lib_dir, key, opts.cuda, core_cuda, cpu_target(opts))
         progress.step(f"up to date: {lib_dir}")
         return lib_dir
 
@@ -370,8 +422,9 @@ def build(opts: BuildOptions, progress_factory: Callable[[bool], Progress] = Pro
     if not (lib_dir / "libllama.so").exists():
         raise BuildError(f"build step 'publish' failed: no libllama.so in {lib_dir}")
     (lib_dir / "PUBLISHED").write_text(json.dumps({"key": key, "cuda": opts.cuda, "core_cuda": core_cuda,
+                                                   "cpu": cpu_target(opts),
                                                    "built": time.time()}))
-    _write_pointer(lib_dir, key, opts.cuda, core_cuda)
+    _write_pointer(lib_dir, key, opts.cuda, core_cuda, cpu_target(opts))
     progress.step(f"done: {lib_dir}")
     return lib_dir
 
@@ -392,7 +445,7 @@ def _build_llama(opts: BuildOptions, cuda_arch: str | None, sdist: Path, root: P
         shutil.copytree(pristine, tree, symlinks=True)
         _apply_patches(tree, log, progress)
         (root / "PATCHED").write_text("ok")
-    kind = f"CUDA sm_{cuda_arch}" if opts.cuda else "CPU"
+    kind = f"CUDA sm_{cuda_arch}" if opts.cuda else f"CPU {cpu_target(opts)}"
     progress.step(f"configuring llama.cpp ({kind}); log: {log}")
     configure = ["cmake", "-S", str(tree), "-B", str(out), "-G", "Ninja", *llama_flags(opts, cuda_arch)]
     _run_logged("configure llama.cpp", configure, log, progress, env=env)
@@ -433,11 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda", action="store_true", default=os.environ.get("CERTCHAT_CUDA") == "1")
     parser.add_argument("--cuda-arch", default=None)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--cpu", choices=CPU_TARGETS, default=os.environ.get("CERTCHAT_CPU", "native"))
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     try:
         build(BuildOptions(cache_dir=args.cache_dir, cuda=args.cuda, cuda_arch=args.cuda_arch, jobs=args.jobs,
-                           quiet=args.quiet))
+                           quiet=args.quiet, cpu=args.cpu))
     except BuildError as err:
         print(f"certchat build: {err}", file=sys.stderr)
         return 1

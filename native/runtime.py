@@ -58,7 +58,36 @@ def built_libs() -> BuiltLibs:
         raise NativeNotBuilt(f"{POINTER_FILE} is damaged: run `certchat build` to write it again") from None
     if not (lib_dir / "libllama.so").exists():
         raise NativeNotBuilt(f"{lib_dir}/libllama.so is missing: run `certchat build` to rebuild it")
+    lacking = missing_isa(str(data.get("cpu", "")))
+    if lacking:
+        raise NativeNotBuilt(
+            f"the patched llama.cpp was built for a CPU with {', '.join(lacking)}, which this one lacks: run "
+            "`certchat build` here (or `CERTCHAT_CPU=avx2 certchat build` for a build any AVX2 CPU runs)"
+        )
     return BuiltLibs(lib_dir=lib_dir, cuda=bool(data.get("cuda")), key=str(data.get("key", "")))
+
+
+# ggml's x86 kernels by the compiler macro a native build records (native.build.native_isa) and the flag
+# /proc/cpuinfo shows for it; only these decide whether ggml's code runs here.
+_ISA_FLAGS = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX512F": "avx512f",
+              "AVX512BW": "avx512bw", "AVX512VL": "avx512vl", "AVX512DQ": "avx512dq", "AVX512VNNI": "avx512_vnni",
+              "AVX512BF16": "avx512_bf16", "AVX512VBMI": "avx512vbmi", "AVXVNNI": "avx_vnni"}
+
+
+def missing_isa(cpu: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The instruction sets a ``native:…`` build (the pointer's ``cpu``) uses that this CPU does not report;
+    empty for a portable build, or where /proc/cpuinfo cannot be read."""
+    if not cpu.startswith("native:"):
+        return []
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return []
+    flags_line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    have = set(flags_line.partition(":")[2].split())
+    if not have:
+        return []
+    return [isa for isa in cpu.removeprefix("native:").split(",") if isa in _ISA_FLAGS and _ISA_FLAGS[isa] not in have]
 
 
 def core_library_path(cuda: bool = False) -> Path:

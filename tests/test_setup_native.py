@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.cli import doctor
-from native import build, llama, runtime
+from native import build, llama, patched, runtime
 
 
 def test_pointer_names_a_built_library() -> None:
@@ -24,7 +23,7 @@ def test_loaded_library_is_ours_and_patched() -> None:
     llama.lib()  # loads it
     assert Path(runtime.llama_cdll()._name).resolve() == (runtime.built_libs().lib_dir / "libllama.so").resolve()
     # Fails on a stock llama.cpp: the marker symbol exists only in our patched build.
-    assert hasattr(runtime.llama_cdll(), doctor.PATCH_MARKER), "the loaded libllama.so does not carry certchat's patch"
+    assert patched.patch_version() is not None, "the loaded libllama.so does not carry certchat's patch"
 
 
 def test_decode_a_few_tokens_greedy(small_model: Path) -> None:
@@ -83,6 +82,35 @@ def test_build_key_tracks_inputs(tmp_path: Path) -> None:
     assert key == build.build_key(opts, None, False)
     assert key != build.build_key(build.BuildOptions(cache_dir=tmp_path, cuda=True), "90", False)
     assert key != build.build_key(opts, None, True)
+
+
+def test_build_key_follows_the_cpu_the_kernels_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A native build is keyed on the instruction sets -march=native turned on, so a cache built on an AVX-512
+    machine is not reused on an AVX2 one; the portable build is one key wherever it is built."""
+    if not build._is_x86():
+        pytest.skip("x86 only")
+    native = build.BuildOptions(cache_dir=tmp_path, cpu="native")
+    portable = build.BuildOptions(cache_dir=tmp_path, cpu="avx2")
+    assert "-DGGML_NATIVE=OFF" in build.llama_flags(portable, None)
+    assert "-DGGML_NATIVE=OFF" not in build.llama_flags(native, None)
+    monkeypatch.setattr(build, "native_isa", lambda: ("AVX", "AVX2", "F16C", "FMA"))
+    avx2_machine = build.llama_key(native, None)
+    monkeypatch.setattr(build, "native_isa", lambda: ("AVX", "AVX2", "AVX512F", "F16C", "FMA"))
+    avx512_machine = build.llama_key(native, None)
+    assert avx2_machine != avx512_machine
+    assert build.llama_key(portable, None) not in (avx2_machine, avx512_machine)
+    assert build.cpu_target(portable) == "avx2"
+    with pytest.raises(build.BuildError, match="unknown CPU target 'sse9'"):
+        build.llama_key(build.BuildOptions(cache_dir=tmp_path, cpu="sse9"), None)
+
+
+def test_a_native_build_for_another_cpu_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The pointer names what a native build needs; a CPU without it gets a clear error, not SIGILL."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma f16c bmi2\n")
+    assert runtime.missing_isa("native:AVX,AVX2,AVX512F,AVX512BW,FMA,SSE4_1", cpuinfo) == ["AVX512F", "AVX512BW"]
+    assert runtime.missing_isa("native:AVX,AVX2,FMA,F16C", cpuinfo) == []
+    assert runtime.missing_isa("avx2", cpuinfo) == []
 
 
 def test_second_build_does_nothing(capsys: pytest.CaptureFixture[str]) -> None:

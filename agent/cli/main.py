@@ -22,7 +22,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from native import build  # noqa: PLC0415 — keep `certchat --help` fast
 
     opts = build.BuildOptions(cache_dir=paths.native_dir(), cuda=args.cuda, cuda_arch=args.cuda_arch,
-                              jobs=args.jobs, quiet=args.quiet)
+                              jobs=args.jobs, quiet=args.quiet, cpu=args.cpu)
     try:
         build.build(opts)
     except build.BuildError as err:
@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="build the CUDA backend (also CERTCHAT_CUDA=1)")
     p.add_argument("--cuda-arch", default=None, help="CUDA architecture, e.g. 90; detected when a GPU is present")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--cpu", choices=("native", "avx2"), default=os.environ.get("CERTCHAT_CPU", "native"),
+                   help="x86 kernels for this CPU (native) or for any AVX2 CPU (avx2; also CERTCHAT_CPU=avx2)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_build)
 
