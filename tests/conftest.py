@@ -1,4 +1,4 @@
-"""Shared fixtures: an isolated data/config dir per test run, and the real models.
+"""Shared fixtures: an isolated data/config dir per test run, the real models, and engines of the fast one.
 
 The native build and the models live in the user's cache dir (set up by ./setup.sh
 test); everything a test writes (database, config) goes to a temporary directory.
@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 
 from agent import models
 from agent.gate import calibration
+
+if TYPE_CHECKING:
+    from agent.llm.engine import Engine
 
 
 @pytest.fixture(autouse=True)
@@ -48,6 +51,34 @@ def model_path() -> Callable[[str], Path]:
 def small_model() -> Path:
     """The fast test model (SmolLM2-135M-Instruct Q4_1)."""
     return _model("smollm2-135m")
+
+
+SMALL_ENGINE: dict[str, Any] = {"n_ctx": 2048, "n_batch": 256, "threads": 2}
+"""The fast model's engine settings unless a test module changes them."""
+
+
+@pytest.fixture(scope="module")
+def engine_factory(small_model: Path) -> Iterator[Callable[..., "Engine"]]:
+    """``engine_factory(n_ctx=1024)``: a new engine of the fast model, :data:`SMALL_ENGINE` with those changes;
+    every one is closed when the module's tests are done."""
+    from agent.llm.engine import Engine, EngineSettings  # the engine loads llama.cpp: only where a test asks
+
+    opened: list[Engine] = []
+
+    def make(**changes: Any) -> Engine:
+        opened.append(Engine(EngineSettings(model_path=small_model, **{**SMALL_ENGINE, **changes})))
+        return opened[-1]
+
+    yield make
+    for engine in opened:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine(request: pytest.FixtureRequest, engine_factory: Callable[..., "Engine"]) -> "Engine":
+    """One engine of the fast model per test module: :data:`SMALL_ENGINE`, with the changes in the module's
+    ``ENGINE`` dict where it has one."""
+    return engine_factory(**getattr(request.module, "ENGINE", {}))
 
 
 @pytest.fixture

@@ -15,19 +15,12 @@ from agent.chat.session import ChatSession
 from agent.config import Config, ConfigError, load
 from agent.lab import bench
 from agent.lab.replay import drive, runner
-from agent.llm.engine import Engine, EngineSettings
+from agent.llm.engine import Engine
 from memory_store.store import Store
 from tests.reliability_support import cli, one_line_error
 
 EVICT_FROM = 600
 FACT = "My locker code is 4172 and my sister's name is Ingrid, she lives in Tromsø by the harbour."
-
-
-@pytest.fixture(scope="module")
-def engine(small_model: Path):
-    eng = Engine(EngineSettings(model_path=small_model, n_ctx=2048, n_batch=256, threads=2))
-    yield eng
-    eng.close()
 
 
 def _session(engine: Engine, tmp_path: Path, name: str, **cfg: object) -> ChatSession:

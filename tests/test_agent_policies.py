@@ -21,13 +21,6 @@ BUDGET = 96
 SLACK = 40  # a Poisson design meets the budget in expectation; pages round up
 
 
-@pytest.fixture(scope="module")
-def engine(small_model: Path):
-    eng = Engine(EngineSettings(model_path=small_model, n_ctx=2048, n_batch=256, threads=2))
-    yield eng
-    eng.close()
-
-
 @pytest.mark.parametrize("evict_at", EVICT_AT)
 @pytest.mark.parametrize("policy", sorted(policies.POLICIES))
 def test_policy_matrix(policy: str, evict_at: str, engine: Engine, tmp_path: Path,

@@ -17,12 +17,8 @@ from agent.llm.template import ChatTemplate, TemplateError
 from memory_store.store import Store
 from native import llama
 
-
-@pytest.fixture(scope="module")
-def engine(small_model: Path):
-    eng = Engine(EngineSettings(model_path=small_model, n_ctx=1024, n_batch=256, threads=2))
-    yield eng
-    eng.close()
+ENGINE = {"n_ctx": 1024}
+"""The module's engine (conftest's ``engine``): a smaller context."""
 
 
 def _session(engine: Engine, tmp_path: Path, **cfg) -> ChatSession:

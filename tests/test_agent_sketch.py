@@ -23,13 +23,6 @@ FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born 
 FILLERS = [f"Give me one short sentence about the number {i}." for i in range(6)]
 
 
-@pytest.fixture(scope="module")
-def engine(small_model: Path):
-    eng = Engine(EngineSettings(model_path=small_model, n_ctx=2048, n_batch=256, threads=2))
-    yield eng
-    eng.close()
-
-
 def _config(**changes: object) -> Config:
     return Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=8, gate="off",
                   page_size=4, seed=3, sketch_layers="10,20").replace(**changes)

@@ -8,12 +8,12 @@ the sketch stay in step through re-insert, evict, re-insert, either way; refusal
 from __future__ import annotations
 
 import copy
-from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 
-from agent.llm.engine import Engine, EngineSettings
+from agent.llm.engine import Engine
 from agent.llm.evicted_rows import EvictedRows
 from native import llama, patched
 
@@ -23,24 +23,22 @@ LATER = "Tell me something about the sea, the mountains and the long rivers of E
 LAYERS = list(range(30))  # every layer of smollm2-135m
 
 
+SMALL_BATCHES = {"n_ctx": 1024, "n_batch": 64}
+
+
 @pytest.fixture(scope="module")
-def engines(small_model: Path):
+def engines(engine_factory: Callable[..., Engine]) -> tuple[Engine, Engine]:
     """Two engines that decode re-inserted tokens (no evicted rows kept)."""
-    settings = EngineSettings(model_path=small_model, n_ctx=1024, n_batch=64, threads=2)
-    a, b = Engine(settings), Engine(settings)
-    yield a, b
-    a.close()
-    b.close()
+    return engine_factory(**SMALL_BATCHES), engine_factory(**SMALL_BATCHES)
 
 
 @pytest.fixture(scope="module")
-def copying(small_model: Path):
+def copying(engine_factory: Callable[..., Engine]) -> Engine:
     """An engine that keeps its evicted rows and copies re-inserted tokens back from them."""
-    engine = Engine(EngineSettings(model_path=small_model, n_ctx=1024, n_batch=64, threads=2))
+    engine = engine_factory(**SMALL_BATCHES)
     engine.keep_rows(64)
     assert engine.rows is not None
-    yield engine
-    engine.close()
+    return engine
 
 
 def _tok(engine: Engine, text: str) -> list[int]:

@@ -1,8 +1,4 @@
-"""The runner and the CLI on the real small model and a real SQLite log (policy `full`).
-
-Other policies run through the same code; until the eviction API lands they raise
-NotImplementedError in the cache manager, which the last test pins down.
-"""
+"""The runner and the CLI on the real small model and a real SQLite log (policy `full`, and one evicting run)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from agent.config import Config
 from agent.lab import cli_replay
 from agent.lab.replay import runner, script
 from agent.lab.replay.runner import Job, Runner
-from agent.llm.engine import Engine, EngineSettings, _log_softmax_at
+from agent.llm.engine import Engine, _log_softmax_at
 from memory_store.store import Store
 
 LINES = [
@@ -33,11 +29,8 @@ LINES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine(small_model: Path):
-    eng = Engine(EngineSettings(model_path=small_model, n_ctx=1024, n_batch=256, threads=1))
-    yield eng
-    eng.close()
+ENGINE = {"n_ctx": 1024, "threads": 1}
+"""The module's engine (conftest's ``engine``): a smaller context, one thread as the runner's config."""
 
 
 @pytest.fixture()
@@ -221,10 +214,7 @@ def test_logged_conversation_replays_as_agreement_probes(engine: Engine, tmp_pat
 def test_policies_other_than_full_go_through_the_cache_manager(engine: Engine, tmp_path: Path, tiny: Path) -> None:
     s = script.load(tiny)
     r = _runner(engine, tmp_path)
-    try:
-        run = r.run(Job(s.name, "poisson", "10%", 0), s)
-    except NotImplementedError:
-        pytest.skip("eviction policies have not landed in agent/eviction/budget.py yet")
+    run = r.run(Job(s.name, "poisson", "10%", 0), s)
     assert run["summary"]["peak_live_cells"] > 0
     assert any(x["evictions"] for x in run["steps"])
 

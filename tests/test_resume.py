@@ -122,13 +122,6 @@ def _reopen(engine: Engine, db: Path, cid: int, saver: resume.Saver | None = Non
     return s.opened
 
 
-@pytest.fixture(scope="module")
-def engine(small_model: Path):
-    eng = _engine(small_model)
-    yield eng
-    eng.close()
-
-
 def test_each_reason_a_state_cannot_serve_falls_back_to_the_log(small_model: Path, engine: Engine,
                                                                  tmp_path: Path) -> None:
     db = tmp_path / "log.db"

@@ -17,7 +17,7 @@ from agent.chat.session import ChatSession
 from agent.cli import doctor
 from agent.config import EVICT_AT, Config
 from agent.gate import calibration
-from agent.llm.engine import Engine, EngineSettings
+from agent.llm.engine import Engine
 from memory_store.store import Store
 from tests.reliability_support import cli
 from tui import render
@@ -26,13 +26,6 @@ QWEN = models.REGISTRY["qwen2.5-coder-0.5b"].sha256
 SMOLLM = models.REGISTRY["smollm2-135m"].sha256
 TURNS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø in 1987.",
          "Give me one short sentence about the sea.", "What is my locker code?"]
-
-
-@pytest.fixture(scope="module")
-def engine(small_model: Path):
-    eng = Engine(EngineSettings(model_path=small_model, n_ctx=2048, n_batch=256, threads=2))
-    yield eng
-    eng.close()
 
 
 def _session(engine: Engine, tmp_path: Path, name: str, **changes: object) -> ChatSession:
