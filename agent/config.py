@@ -136,9 +136,10 @@ class Config:
     evicted_rows_mb: int = 1024
     """Host memory, in MiB, for every evicted cell's K/V rows (all layers, as the cache first computed them: about
     12 KB per token for qwen2.5-coder-0.5b, 28 KB for the 1.5B). A targeted re-read copies a message back from
-    them instead of decoding it again over the evicted cache, which computes other K/V than the full cache held.
-    With every evicted token's rows at hand, a firing gate copies the whole history back, and the question and the
-    answer read the full history's cache. Kept while an evicting policy runs with a gate. Past the budget the rows
+    them instead of decoding it again over the evicted cache. With every evicted token's rows at hand, a firing
+    gate copies the whole history back, and the question and the answer read every token of it, each row as the
+    chat computed it: the full cache's own rows for what came before the first eviction, and for later tokens rows
+    that attended to the sampled cache. Kept while an evicting policy runs with a gate. Past the budget the rows
     evicted longest ago go first, and re-reads decode messages again (the targeted path); a reopened chat starts
     with none (saved states do not carry them). The log stays the source of truth: a row is used only where its
     token is the log's. 0: keep none."""

@@ -1,5 +1,6 @@
-"""Re-reads in a real chat. With the engine's evicted rows kept, a firing copies every evicted token back and
-answers as the full cache does (qwen2.5-coder-0.5b, greedy, recall30 seed-02). Without them, a recall probe that
+"""Re-reads in a real chat. With the engine's evicted rows kept, a firing copies every evicted row back byte for
+byte as it was kept, and where those rows were computed over the full history it answers as the full cache does,
+token for token (qwen2.5-coder-0.5b, greedy, recall30 seed-02). Without them, a recall probe that
 fires the sketch gate brings back only the fact's messages, decoded at their old positions, and answers as the
 full cache does; Esc during either re-read puts the evicted cache back; the log, the turn record and the events
 say which path ran and what came back; the whole history is re-read when no message can be named (smollm2-135m).
@@ -66,9 +67,9 @@ def _full_answer(engine: Engine, tmp_path: Path) -> str:
     return want
 
 
-def test_a_probe_answered_after_a_copied_reread_matches_the_full_cache(qwen: Engine, tmp_path: Path) -> None:
+def test_a_copied_reread_puts_every_evicted_row_back_as_it_was_kept(qwen: Engine, tmp_path: Path) -> None:
     qwen_rows = qwen
-    want = _full_answer(qwen_rows, tmp_path)
+    _full_answer(qwen_rows, tmp_path)
     store = Store(tmp_path / "gated.db")
     s = ChatSession(_config(**SKETCH), store, qwen_rows, "qwen2.5-coder-0.5b")
     probe = _until_probe(s)
@@ -86,10 +87,25 @@ def test_a_probe_answered_after_a_copied_reread_matches_the_full_cache(qwen: Eng
         s.send(probe.user, on_event=stop_at_reread, cancel=cancel)
     assert _state(qwen_rows) == before, "Esc puts the evicted cache back"
 
+    assert qwen_rows.rows is not None
+    first = qwen_rows.next_pos
+    gone = sorted(set(range(first)) - set(qwen_rows.cache.positions))
+    kept = [qwen_rows.rows.get(p) for p in gone]
+    assert all(k is not None for k in kept)
     events: list[ev.Event] = []
-    result = s.send(probe.user, on_event=events.append)
+    back_equal: list[bool] = []
+
+    def hear(event: ev.Event) -> None:
+        events.append(event)
+        if isinstance(event, ev.Rereading) and event.done == event.total:
+            back = qwen_rows.ctx.kv_rows(qwen_rows.SEQ, np.asarray(gone, dtype=np.int32))
+            back_equal.append(all(k is not None and np.array_equal(back[i], k[1]) for i, k in enumerate(kept)))
+
+    result = s.send(probe.user, on_event=hear)
     assert result.gate_fired and result.reread_path == "copied"
-    assert result.answer == want, "the question and the answer read the full history's cache"
+    # The rows come back as this chat computed them. Those computed after an eviction attended to the sampled
+    # cache, so the answer equals the full cache's exactly only where no row was (the test above).
+    assert back_equal == [True], "every evicted row is back byte for byte as it was kept"
     assert result.restored_tokens == evicted, "every evicted token came back from host memory"
     assert result.reprefill_tokens == len(store.get_message(result.user_message_id).tokens), "only the question"
     fired = [e for e in events if isinstance(e, ev.GateFired)][0]
@@ -104,6 +120,42 @@ def test_a_probe_answered_after_a_copied_reread_matches_the_full_cache(qwen: Eng
     np.testing.assert_allclose(bias, -np.asarray(qwen_rows.cache.logpi), atol=1e-6)
     gone = set(range(first)) - set(qwen_rows.cache.positions)
     assert qwen_rows.sketch is not None and gone == {int(p) for p in qwen_rows.sketch.positions if p < first}
+
+
+def test_a_copied_firing_over_rows_the_full_history_computed_answers_as_the_full_cache(qwen: Engine,
+                                                                                       tmp_path: Path) -> None:
+    """The state a copied firing claims, checked where it can hold exactly: with the first eviction at the end of
+    the turn before the probe, every evicted row was computed over the full history; the firing puts those rows
+    back byte for byte (the cache then holds the full cache's rows for the whole history, biases lifted) and the
+    probe's greedy answer is the full cache's, token for token. A row computed after an eviction attended to the
+    sampled cache, so in a longer evicting chat the copy restores the chat's own rows, not the full cache's."""
+    full = ChatSession(_config(policy="full", gate="off"), Store(tmp_path / "full.db"), qwen, "qwen2.5-coder-0.5b")
+    probe = _until_probe(full)
+    end = qwen.next_pos
+    full_rows = qwen.ctx.kv_rows(qwen.SEQ, np.arange(end, dtype=np.int32))
+    want = full.send(probe.user)
+    assert want.assistant_message_id is not None
+    want_tokens = full.store.get_message(want.assistant_message_id).tokens
+
+    store = Store(tmp_path / "gated.db")
+    s = ChatSession(_config(gate="0", copy_back="all", evict_from=end), store, qwen, "qwen2.5-coder-0.5b")
+    _until_probe(s)
+    assert qwen.next_pos == end and qwen.rounds == 1, "one eviction, at the end of the last turn"
+    evicted = sum(p1 - p0 for i in qwen.cache.spans for p0, p1 in qwen.evicted_runs(i))
+    assert evicted > 0
+    restored: list[np.ndarray] = []
+
+    def after_copy(event: ev.Event) -> None:
+        if isinstance(event, ev.Rereading) and event.done == event.total and not restored:
+            restored.append(qwen.ctx.kv_rows(qwen.SEQ, np.arange(end, dtype=np.int32)))
+            _, bias = patched.get_bias(qwen.ctx.memory, Engine.SEQ)
+            assert not np.any(bias), "the copy lifts every bias for the turn"
+
+    got = s.send(probe.user, on_event=after_copy)
+    assert got.gate_fired and got.reread_path == "copied" and got.restored_tokens == evicted
+    assert restored and np.array_equal(restored[0], full_rows), "the history's rows are the full cache's, byte for byte"
+    assert got.assistant_message_id is not None
+    assert store.get_message(got.assistant_message_id).tokens == want_tokens, "token for token"
 
 
 def test_a_paraphrased_question_about_an_evicted_fact_fires_and_a_turn_about_the_last_answer_does_not(

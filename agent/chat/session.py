@@ -685,9 +685,9 @@ class ChatSession:
     def _reread_copied(self, turn: Turn, decision: GateDecision, plan: TargetedRead, on_event: EventSink,
                        cancel: threading.Event | None) -> None:
         """Put every evicted token of the history back from the engine's evicted rows, as the cache first
-        computed them, and prefill the question again on top: the question and the answer read the full
-        history's cache at the cost of a copy. At the turn's end they are evicted again
-        (``Engine.evict_reinserted``)."""
+        computed them, and prefill the question again on top: the question and the answer read every token of the
+        history at the cost of a copy (the full cache's rows where no eviction came before them). At the turn's
+        end they are evicted again (``Engine.evict_reinserted``)."""
         assert decision.value is not None and decision.threshold is not None
         fresh = sum(len(m.tokens) for m in plan.fresh)  # packed away by a frame shift: fed, not copied
         kept = self._question_kept(turn, plan)

@@ -82,12 +82,15 @@ def _row_agreement(full: Any, gated: Any) -> tuple[float, float]:
     else:
         live_same = 1.0
     rows = gated.rows
-    kept = [p for p in (rows._rows if rows is not None else {}) if p in set(full_pos.tolist())]
-    if not kept:
+    known = set(full_pos.tolist())
+    kept = [p for p in (rows.positions() if rows is not None else []) if p in known]
+    if rows is None or not kept:
         return 1.0, live_same
     theirs = full.ctx.kv_rows(full.SEQ, np.asarray(kept, dtype=np.int32))
-    same = [np.frombuffer(rows._rows[p][1], dtype=np.uint8).tobytes() == theirs[i].tobytes()
-            for i, p in enumerate(kept)]
+    same = []
+    for i, p in enumerate(kept):
+        row = rows.get(p)
+        same.append(row is not None and row[1].tobytes() == theirs[i].tobytes())
     return float(np.mean(same)), live_same
 
 
@@ -179,8 +182,11 @@ def summary(results: list[ProbeParity]) -> str:
     fired = [r for r in results if r.fired]
     copied = [r for r in fired if r.path == "copied" and r.homeless == 0]
     differ = [r for r in copied if not r.same_answer]
+    by_path = {path: [r for r in fired if r.path == path] for path in sorted({r.path for r in fired})}
     lines = [f"probes {len(results)} · fired {len(fired)} · copied with every evicted message back {len(copied)} · "
              f"of those, answer differs from the full cache's {len(differ)}",
+             "fired, by path: " + ", ".join(f"{path} {len(rs)} (answer differs {sum(not r.same_answer for r in rs)})"
+                                            for path, rs in by_path.items()),
              f"recall: full {sum(r.correct_full for r in results)} · gated {sum(r.correct_gated for r in results)}"]
     for r in differ:
         lines.append(f"  {r.script} turn {r.turn}: first differing token {r.first_diff}, full's top-2 gap "

@@ -73,6 +73,15 @@ class EvictedRows:
             return None
         return np.frombuffer(b"".join(kept), dtype=np.uint8).reshape(len(tokens), self.row_bytes)
 
+    def get(self, pos: int) -> tuple[int, np.ndarray] | None:
+        """The token and the row kept for position ``pos``, or None."""
+        kept = self._rows.get(pos)
+        return None if kept is None else (kept[0], np.frombuffer(kept[1], dtype=np.uint8))
+
+    def positions(self) -> list[int]:
+        """The positions whose rows are kept, oldest kept first."""
+        return list(self._rows)
+
     def forget_from(self, pos: int) -> None:
         """Drop every row at ``pos`` or later: those positions are being given to new tokens."""
         for p in [p for p in self._rows if p >= pos]:
