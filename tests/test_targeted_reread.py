@@ -135,7 +135,7 @@ def test_a_copied_firing_over_rows_the_full_history_computed_answers_as_the_full
     full_rows = qwen.ctx.kv_rows(qwen.SEQ, np.arange(end, dtype=np.int32))
     want = full.send(probe.user)
     assert want.assistant_message_id is not None
-    want_tokens = full.store.get_message(want.assistant_message_id).tokens
+    want_tokens = [int(t) for t in full.store.get_message(want.assistant_message_id).tokens]
 
     store = Store(tmp_path / "gated.db")
     s = ChatSession(_config(gate="0", copy_back="all", evict_from=end), store, qwen, "qwen2.5-coder-0.5b")
@@ -155,7 +155,7 @@ def test_a_copied_firing_over_rows_the_full_history_computed_answers_as_the_full
     assert got.gate_fired and got.reread_path == "copied" and got.restored_tokens == evicted
     assert restored and np.array_equal(restored[0], full_rows), "the history's rows are the full cache's, byte for byte"
     assert got.assistant_message_id is not None
-    assert store.get_message(got.assistant_message_id).tokens == want_tokens, "token for token"
+    assert [int(t) for t in store.get_message(got.assistant_message_id).tokens] == want_tokens, "token for token"
 
 
 def test_a_paraphrased_question_about_an_evicted_fact_fires_and_a_turn_about_the_last_answer_does_not(
