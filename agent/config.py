@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 
 from agent import paths
 from agent.eviction import policies
+from agent.gate import signals
 
 POLICIES = policies.NAMES
 EVICT_AT = ("question", "turn-end")
@@ -282,9 +283,9 @@ class Config:
                               f"got {self.reread_refeed!r}")
         if self.sketch_bits not in (4, 8, 32):
             raise ConfigError(f"sketch_bits: must be 4, 8 or 32, got {self.sketch_bits}")
-        if self.gate_stat != "auto" and not self.gate_stat.startswith(("question.", "answer.", "sketch.")):
-            raise ConfigError(f"gate_stat: must be 'auto' or start with 'question.', 'answer.' or 'sketch.', "
-                              f"got {self.gate_stat!r}")
+        if self.gate_stat != "auto" and self.gate_stat not in signals.SIGNALS:
+            raise ConfigError(f"gate_stat: must be 'auto' or one of {', '.join(signals.NAMES)} "
+                              f"(agent/gate/signals.py), got {self.gate_stat!r}")
 
 
 @dataclass(frozen=True)

@@ -791,8 +791,8 @@ class ChatSession:
         turn.reread_indices = tuple(indices)
 
     def _points_at(self) -> str:
-        """The evicted message a sketch-statistic gate fired on, in words; "" for any other gate."""
-        if not self.gate.statistic.startswith("sketch.") or not self.gate.turn.implicated:
+        """The evicted message a gate whose signal names messages (the sketch) fired on, in words; "" for any other."""
+        if not self.gate.signal.names_messages or not self.gate.turn.implicated:
             return ""
         return self._message_words(self.gate.turn.implicated[0][0])
 

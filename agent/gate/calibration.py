@@ -38,7 +38,7 @@ import numpy as np
 
 from agent import models, paths
 from agent.config import DEFAULT_EVICT_AT, Budget
-from agent.gate import certificate
+from agent.gate import certificate, signals
 from agent.gate.certificate import CertificateForm, Component
 
 PATH = Path(__file__).parent / "gate_calibration.json"
@@ -89,7 +89,8 @@ def adaptive_tau(tau: float, recent: Sequence[float], rule: Adaptive | None) -> 
 class SecondSignal:
     """A statistic that fires the gate on its own where the gate's statistic does not reach its bar: read in the
     certificate form shown, against a fixed τ fitted on ordinary turns of long calibration chats, and only where the
-    kept sample holds at least ``min_sampled`` cells (below that the statistic reads on another scale)."""
+    kept sample holds at least ``min_sampled`` cells (below that the statistic reads on another scale). The record's
+    ``second``, as read; the gate holds it as one of its bars (``agent.gate.bars.Bar.calibrated``)."""
 
     statistic: str
     tau: float
@@ -333,7 +334,8 @@ def covers(model_sha256: str | None, evict_at: str = DEFAULT_EVICT_AT) -> bool:
 
 def is_certificate_statistic(statistic: str) -> bool:
     """Statistics of the certificate values (agent.gate.certificate; not the evicted share or the sketch's anomaly)."""
-    return statistic.startswith(("question.", "answer.")) and "evicted_share" not in statistic
+    signal = signals.SIGNALS.get(statistic)
+    return signal is not None and signal.certificate
 
 
 def write(record: dict[str, Any], path: Path = PATH) -> Path:

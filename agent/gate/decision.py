@@ -26,8 +26,10 @@ import numpy as np
 from agent.config import Budget, Config, GateThreshold
 from agent.events import Hook
 from agent.eviction import policies
-from agent.gate import calibration, certificate, repetition
+from agent.gate import calibration, certificate, repetition, signals
+from agent.gate.bars import Bar
 from agent.gate.certificate import CertificateForm
+from agent.gate.signals import Signal
 from agent.llm.engine import holds_logged_tokens
 from native import patched, poisson
 
@@ -285,8 +287,10 @@ class GateSettings:
     """The model's calibrated gate for ``evict_at`` (None: the model has none, and "auto" is off)."""
     certificate_records: tuple[certificate.Record, ...] | None
     """The model's own certificate calibration (None: the shipped one's rows for it, or the largest of them)."""
-    statistic: str
-    """The turn statistic compared with τ, "auto" resolved to the calibrated one for ``evict_at``."""
+    bars: tuple[Bar, ...]
+    """What the gate holds against a bar, its own first: the turn statistic compared with τ ("auto" resolved to
+    the calibrated one for ``evict_at``), then the calibrated second signal, when config ``gate_second`` is "auto"
+    and the τ is the calibrated one."""
     evict_at: str
     budget: Budget
     model: str
@@ -295,22 +299,26 @@ class GateSettings:
     answer_certificate: bool
     reread_budget: int
     reread_copy: bool
-    second: calibration.SecondSignal | None = None
-    """The calibrated second signal, when config ``gate_second`` is "auto" and the τ is the calibrated one."""
+
+    @property
+    def statistic(self) -> str:
+        """The gate's own statistic (its first bar's)."""
+        return self.bars[0].signal.name
 
     @classmethod
     def from_config(cls, config: Config, model: calibration.ModelCalibration | None) -> GateSettings:
         stat = config.gate_stat
         cal = model.gate(config.evict_at) if model is not None else None
         auto = cal.statistic if cal is not None else calibration.fallback_statistic(config.evict_at)
+        second = cal.second() if cal is not None and config.gate_second == "auto" and config.gate_threshold.auto \
+            else None
+        bars = (Bar.own(auto if stat == "auto" else stat), *([Bar.calibrated(second)] if second is not None else []))
         return cls(threshold=config.gate_threshold, calibrated=cal,
                    certificate_records=model.certificate if model is not None and model.certificate else None,
-                   statistic=auto if stat == "auto" else stat,
+                   bars=bars,
                    evict_at=config.evict_at, budget=config.kv_budget, model=config.model, policy=config.policy,
                    page_size=config.page_size, answer_certificate=config.answer_certificate,
-                   reread_budget=config.reread_budget, reread_copy=config.reread_copy,
-                   second=cal.second() if cal is not None and config.gate_second == "auto"
-                   and config.gate_threshold.auto else None)
+                   reread_budget=config.reread_budget, reread_copy=config.reread_copy)
 
 
 class Gate:
@@ -345,6 +353,15 @@ class Gate:
     def statistic(self) -> str:
         """The configured turn statistic, "auto" resolved to the calibrated one."""
         return self.settings.statistic
+
+    @property
+    def signal(self) -> Signal:
+        """The signal of the gate's own bar (:mod:`agent.gate.signals`)."""
+        return self.settings.bars[0].signal
+
+    def _read(self, turn: TurnCertificates | None = None) -> float | None:
+        """The gate's own statistic of ``turn`` (default: this one), in the form compared with τ."""
+        return self.signal.read(self.turn if turn is None else turn, self.decision_form())
 
     def threshold(self) -> float | None:
         """τ for this turn: the configured number, or the calibrated τ — raised, when its calibration is
@@ -386,14 +403,14 @@ class Gate:
         """The form the gate compares with τ: a calibrated τ's own (GateCalibration.tau_form), else the
         certificate shown (an explicit threshold is read on what the user sees)."""
         cal = self.settings.calibrated
-        if self.settings.threshold.auto and cal is not None and calibration.is_certificate_statistic(self.statistic):
+        if self.settings.threshold.auto and cal is not None and self.signal.certificate:
             return cal.tau_form(self.settings.budget, self.settings.model, self.turn.rounds, self.settings.policy)
         return self.turn.form
 
     def wants_answer_certificates(self) -> bool:
         """Per-step certificates while answering: needed by an answer.* gate, or asked for (replays record
         every statistic); otherwise paused, since each costs a V-sized product per layer."""
-        return self.settings.answer_certificate or self.statistic.startswith("answer.")
+        return self.settings.answer_certificate or signals.ANSWER_STEPS in self.signal.needs
 
     def _breach(self, value: float | None, tau: float | None) -> bool:
         return calibration.breach(value, tau)
@@ -415,7 +432,7 @@ class Gate:
         for message, share in previous.shares.items():
             paid.setdefault(message, []).append(share)
         if not previous.discarded:
-            value = previous.statistics(self.decision_form()).get(self.statistic)
+            value = self._read(previous)
             if value is not None and math.isfinite(value):
                 recent.append(float(value))
         return GateState(self.statistic, recent, paid, self._paid_layers)
@@ -450,7 +467,7 @@ class Gate:
         on each message in each sketch layer, from which the messages' baselines are medians."""
         turn = self.turn
         out: dict[str, Any] = {}
-        value = turn.statistics(self.decision_form()).get(self.statistic)
+        value = self._read(turn)
         if value is not None and math.isfinite(value):
             out["statistic"], out["value"] = self.statistic, float(value)
         if turn.shares:
@@ -608,23 +625,25 @@ class Gate:
 
     def question_decision(self) -> GateDecision:
         tau = self.threshold()
-        value = self.turn.statistics(self.decision_form()).get(self.statistic)
-        # Too few sampled pages leave the kept sample's certificate nothing to estimate from; a sketch statistic
-        # reads every evicted cell instead, so the rule stands only where no sketch spoke.
-        sketch_spoke = self.statistic.startswith("sketch.") and value is not None
-        if self.turn.uncertified and tau is not None and not sketch_spoke:
+        signal = self.signal
+        value = self._read()
+        # Too few sampled pages leave the kept sample's certificate nothing to estimate from; a signal that reads
+        # every evicted cell (the sketch) does not rest on the sample, so the rule stands only where none spoke.
+        spoke = signal.reads_evicted and value is not None
+        if self.turn.uncertified and tau is not None and not spoke:
             return GateDecision(value if value is not None else 0.0, tau, fire=True, uncertified=True)
-        if not self.statistic.startswith(("question.", "sketch.")):
+        if signal.phase != signals.QUESTION:
             return GateDecision(None, tau, False)
         if self._breach(value, tau):
             return GateDecision(value, tau, fire=True)
-        second = self.settings.second
         sampled = self.turn.sampled_cells or 0
-        if second is not None and tau is not None and second.applies(sampled):
+        for bar in self.settings.bars[1:] if tau is not None else ():
+            if bar.signal.phase != signals.QUESTION or not bar.applies(sampled):
+                continue
             # read in the form shown: the one the calibration chats recorded it in
-            other = self.turn.statistics().get(second.statistic)
-            if second.fires(other, sampled):
-                return GateDecision(other, second.tau, fire=True, second=second.statistic)
+            other = bar.signal.read(self.turn, self.turn.form)
+            if bar.fires(other, sampled):
+                return GateDecision(other, bar.tau, fire=True, second=bar.signal.name)
         return GateDecision(value, tau, fire=False)
 
     def begin_answer(self) -> None:
@@ -638,9 +657,9 @@ class Gate:
         self.turn.rounds = engine.rounds
         self.turn.form = self.certificate_form(engine.rounds)
         self.turn.answer.append(relative_certificate(engine.read_certificate())[-1])
-        if not self.statistic.startswith("answer."):
+        if self.signal.phase != signals.ANSWER:
             return GateDecision(None, tau, False)
-        value = self.turn.statistics(self.decision_form()).get(self.statistic)
+        value = self._read()
         return GateDecision(value, tau, fire=self._breach(value, tau))
 
     def record_firing(self, decision: GateDecision) -> None:
@@ -653,23 +672,23 @@ class Gate:
         fired = self.turn.fired
         if fired is not None and fired.value is not None and not fired.second:
             return fired.value
-        return self.turn.statistics(self.decision_form()).get(self.statistic)
+        return self._read()
 
     # -- the re-read planner --------------------------------------------------------------
     def plan_targeted(self, decision: GateDecision, logged: dict[int, Any], engine: "Engine",
                       free_cells: int) -> tuple[TargetedRead | None, str]:
         """The messages a question-phase firing brings back, or (None, why the whole history is re-read instead).
 
-        Only a sketch statistic names messages. The messages whose own anomaly reaches τ (an adaptive τ's
-        :meth:`implicating_level`) are the implicated ones (at most :data:`MAX_TARGETED`, else the attention is spread);
-        they come back whole (every evicted run), most anomalous first, as many as fit ``reread_budget`` — when those
-        hold at least :data:`COVER` of the implicated mass. ``logged``: the log's re-readable messages by index (exact
-        token ids), checked against the positions the engine fed them at and the tokens still live there — on any
-        disagreement the log wins and the whole history is re-read."""
+        Only a signal that ranks the evicted messages (a sketch statistic) names them. The messages whose own anomaly
+        reaches τ (an adaptive τ's :meth:`implicating_level`) are the implicated ones (at most :data:`MAX_TARGETED`,
+        else the attention is spread); they come back whole (every evicted run), most anomalous first, as many as fit
+        ``reread_budget`` — when those hold at least :data:`COVER` of the implicated mass. ``logged``: the log's
+        re-readable messages by index (exact token ids), checked against the positions the engine fed them at and the
+        tokens still live there — on any disagreement the log wins and the whole history is re-read."""
         tau = self._naming_bar(decision)
         if self.settings.reread_budget <= 0:
             return None, "targeted re-reads are off (reread_budget = 0)"
-        if not self.statistic.startswith("sketch.") or decision.uncertified or tau is None:
+        if not self.signal.names_messages or decision.uncertified or tau is None:
             return None, "the uncertified sample names no message" if decision.uncertified else \
                 f"the gate read {self.statistic}, which names no message"
         chosen = self._implicated(tau)
@@ -721,7 +740,7 @@ class Gate:
         """The evicted messages a firing at bar ``tau`` points at: their anomaly at :meth:`implicating_level`, most
         anomalous first."""
         level = self.implicating_level(tau)
-        ranked = sorted(self.turn.anomalies.items(), key=lambda kv: -kv[1])
+        ranked = sorted(self.signal.scores(self.turn).items(), key=lambda kv: -kv[1])
         return [index for index, anomaly in ranked if math.isfinite(anomaly) and anomaly >= level]
 
     def plan_copied(self, logged: dict[int, Any], engine: "Engine", free_cells: int,
@@ -762,7 +781,7 @@ class Gate:
                         room: int) -> list[Any]:
         """The messages a frame shift left without a place that the firing names (their anomaly at the implicating
         level, most anomalous first, at most :data:`MAX_TARGETED`), as many whole as fit ``reread_budget``."""
-        if decision is None or decision.uncertified or not self.statistic.startswith("sketch."):
+        if decision is None or decision.uncertified or not self.signal.names_messages:
             return []
         tau = self._naming_bar(decision)
         if tau is None:
