@@ -117,6 +117,9 @@ class History:
     def flatten(self, *, skip_untokenized: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """All token ids and their positions, concatenated in message order.
 
+        Messages the chat took back out of its cache (``NOT_REREAD``: a replay's discarded probe or replaced
+        answer, a refused message) are left out: a later message may hold their positions.
+
         Raises ValueError when a message has no token ids (unless
         ``skip_untokenized``) or when positions overlap or go backwards:
         re-prefilling such a history would not reproduce what the model saw.
@@ -125,6 +128,8 @@ class History:
         pos_parts: list[np.ndarray] = []
         next_free = None
         for message in self.messages:
+            if any(message.meta.get(k) for k in NOT_REREAD):
+                continue
             if message.tokens is None or message.first_pos is None:
                 if skip_untokenized:
                     continue

@@ -255,6 +255,19 @@ def test_history_with_position_gaps_and_errors(store: Store) -> None:
         store.history(c.id).flatten()
 
 
+def test_history_leaves_out_what_the_chat_took_back(store: Store) -> None:
+    """A replaced answer stays logged, discarded, at the positions its replacement then took: re-prefilling the
+    history reads the replacement, not both."""
+    c = store.create_conversation()
+    store.append_user_message(c.id, "q", tokens=[1, 2], first_pos=0)
+    store.append_message(c.id, "assistant", "generated", tokens=[3, 4, 5], first_pos=2,
+                         meta={"discarded": True, "replaced": True})
+    store.append_message(c.id, "assistant", "scripted", tokens=[6], first_pos=2, meta={"forced": True})
+    store.append_user_message(c.id, "next", tokens=[7], first_pos=3)
+    tokens, positions = store.history(c.id).flatten()
+    assert (tokens.tolist(), positions.tolist()) == ([1, 2, 6, 7], [0, 1, 2, 3])
+
+
 def test_turns_and_eviction_rounds_round_trip(store: Store) -> None:
     c = store.create_conversation()
     with store.stream_assistant(c.id) as stream:
