@@ -9,6 +9,7 @@ Forms of ``replay`` (the work lives in ``agent.lab.replay``):
     certchat replay merge DIR… [--out DIR] [--json]
     certchat replay convert-locomo FILE… --out DIR
     certchat replay make-long [--history 8k,16k,32k] [--seed N] [--probes N] [--locomo FILE…] --out DIR
+    certchat replay make-varied [--seed N] [--count K] --out DIR
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         return _cmd_convert(args)
     if first == "make-long" and not Path(first).exists():
         return _cmd_make_long(args)
+    if first == "make-varied" and not Path(first).exists():
+        return _cmd_make_varied(args)
     from agent.lab.replay import runner  # noqa: PLC0415
 
     if args.seeds < 1:
@@ -199,6 +202,20 @@ def _cmd_make_long(args: argparse.Namespace) -> int:
             print(f"{path}: {longchat.describe(s)}")
     finally:
         counter.close()
+    return 0
+
+
+def _cmd_make_varied(args: argparse.Namespace) -> int:
+    from agent.lab.replay import recall_varied  # noqa: PLC0415
+
+    if args.out is None or len(args.scripts) > 1:
+        raise _Usage("replay make-varied [--seed N] [--count K] --out DIR")
+    if args.count < 1:
+        raise _Usage("--count: must be at least 1")
+    for seed in range(args.seed, args.seed + args.count):
+        script = recall_varied.scenario(seed)
+        path = recall_varied.save(script, args.out)
+        print(f"{path}: {recall_varied.describe(script)}")
     return 0
 
 
@@ -339,7 +356,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sessions", type=int, dest="max_sessions", help="LoCoMo: keep the first N sessions")
     p.add_argument("--max-probes", type=int, dest="max_probes", help="LoCoMo: at most N questions, evenly spaced")
     p.add_argument("--history", help="make-long: script length(s) in tokens, e.g. 8k,16k,32k (k = 1,000)")
-    p.add_argument("--seed", type=int, default=0, help="make-long: the script's seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="make-long, make-varied: the (first) script's seed (default 0)")
+    p.add_argument("--count", type=int, default=1, help="make-varied: how many chats, seeds N, N+1, … (default 1)")
     p.add_argument("--probes", type=int, help="make-long: probes per script (default one per ~800 tokens)")
     p.add_argument("--study", choices=("coverage", "attribution", "gating"),
                    help="run a certificate study instead of a plain replay")
