@@ -18,12 +18,11 @@ threshold on them.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
-from typing import Any
 
 from agent.lab.replay import recall_varied_fillers as fill
+from agent.lab.replay import script as scripts
 from agent.lab.replay.recall_varied_facts import FACTS, FactKind, Value
 from agent.lab.replay.script import Probe, Script, Step, load
 
@@ -108,15 +107,7 @@ def estimated_tokens(script: Script) -> int:
 def dumps(script: Script) -> str:
     """The chat as a replay script; the provenance (``fixture``) rides on the system line."""
     provenance = {**script.meta, "tokens_estimate": estimated_tokens(script)}
-    lines = [json.dumps({"role": "system", "content": script.system, "fixture": provenance}, ensure_ascii=False)]
-    for step in script.steps:
-        line: dict[str, Any] = {"role": "user", "content": step.user}
-        if step.probe is not None:
-            line["probe"] = {"expect": list(step.probe.expect), "fact_turn": step.probe.fact_turn,
-                             "category": step.probe.category}
-        lines.append(json.dumps(line, ensure_ascii=False))
-        lines.append(json.dumps({"role": "assistant", "content": step.assistant}, ensure_ascii=False))
-    return "\n".join(lines) + "\n"
+    return scripts.dump(script, {"fixture": provenance})
 
 
 def fixture_path(seed: int, directory: Path = FIXTURE_DIR) -> Path:

@@ -192,11 +192,13 @@ def _is_locomo(text: str) -> bool:
     return isinstance(data, dict) and "conversation" in data and "qa" in data
 
 
-def dump(script: Script) -> str:
-    """The script as JSONL text (what :func:`load` reads back)."""
+def dump(script: Script, system_meta: dict[str, Any] | None = None) -> str:
+    """The script as JSONL text (what :func:`load` reads back); ``system_meta``: keys the system line carries besides
+    its content, such as a generator's provenance (the format ignores unknown keys)."""
     out: list[str] = []
     if script.system is not None:
-        out.append(json.dumps({"role": "system", "content": script.system}, ensure_ascii=False))
+        out.append(json.dumps({"role": "system", "content": script.system, **(system_meta or {})},
+                              ensure_ascii=False))
     for step in script.steps:
         line: dict[str, Any] = {"role": "user", "content": step.user}
         if step.probe is not None:
