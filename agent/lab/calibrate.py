@@ -23,6 +23,14 @@ all three, in one replay and three offline fits:
    when each is left out of the fit, so the coverage a new conversation sees is nominal, not what the largest of
    twelve conversations needed. The cells are kept in the work folder (``--from-results`` refits on them).
 
+5. **Certification.** The long calibration chats (agent/lab/certify.py: generated 8k and 16k chats at
+   calibration-only seeds, and the shared LoCoMo) replayed under the full cache and under the fitted gate at 50%,
+   25% and 10%; per budget the paired counts, the exact bound on the loss and the certified risk
+   (agent/gate/certification.py) go into the record's ``certification``, from which ``budget = "auto"`` takes the
+   cheapest budget within the user's risk, or the full cache. ``--certify-only`` certifies the gate a model already
+   has; ``--certify-from`` certifies from replays already recorded; the work folder keeps every run, so an
+   interrupted certification resumes.
+
 The record goes to the user's calibration dir, keyed by the GGUF's hash (``--ship`` writes the package's copy, for
 a registry model). A fit whose gate does not catch at least ``--min-probe-rate`` of the calibration probes is
 written as rejected: the model then keeps the full cache, and the record says why. Each script's probes
@@ -44,10 +52,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from agent import config as config_mod
-from agent import models
+from agent import models, paths
 from agent.cli import errors as cli_errors
 from agent.gate import calibration, certificate
 from agent.gate.calibration import Adaptive
+from agent.lab import certify
 from agent.lab.fits.sketch_records import recorded_ratios
 from agent.lab.replay.rank_stats import auc, in_later_half
 
@@ -451,19 +460,77 @@ def summary(document: dict[str, Any], path: Path) -> str:
     return "\n".join(lines)
 
 
+def _risk() -> float:
+    """The configured risk (what the summary's choice is shown at)."""
+    cfg = config_mod.load()
+    risk = getattr(cfg, "risk", "10%")
+    return float(getattr(risk, "share", None) or float(str(risk).strip().rstrip("%")) / 100)
+
+
+def _certify(args: argparse.Namespace, document: dict[str, Any], work: Path) -> dict[str, Any]:
+    """``document`` with its ``certification``: from recorded replays (``--certify-from``) or replayed now."""
+    from agent.lab.replay import runner  # noqa: PLC0415
+    from agent.lab.replay.report import command_line  # noqa: PLC0415
+
+    budgets = runner.parse_budgets(args.certify_budgets)
+    if args.certify_from:
+        trials = certify.from_results(args.certify_from, budgets)
+        meta: dict[str, Any] = {"from_results": [str(p) for p in args.certify_from],
+                                "command": command_line(getattr(args, "argv", None))}
+    else:
+        name = args.model or config_mod.load().model
+        trials, meta = certify.run(name, work, budgets, args.threads, args.quick, not args.no_progress,
+                                   command_line(getattr(args, "argv", None)))
+    return {**document, "certification": certify.document(trials, meta)}
+
+
+def _record_in_force(name: str | None) -> tuple[dict[str, Any], str]:
+    """The calibration document the model uses now, and its display name; CalibrationError when it has none."""
+    cfg = config_mod.load()
+    path = models.resolve(name or cfg.model)
+    sha = models.gguf_sha256(path)
+    found = calibration.for_model(sha)
+    display = models.display_name(name or cfg.model, path)
+    if found is None or not found.path.exists():
+        raise CalibrationError(f"calibrate: {display} has no gate calibration to certify; run "
+                               f"`certchat calibrate {name or cfg.model}` first (it certifies as well)")
+    doc = json.loads(found.path.read_text(encoding="utf-8"))
+    if "calibrations" not in doc or doc.get("model_sha256") != sha:
+        raise CalibrationError(f"calibrate: {found.path} is not a record of {display}'s own calibration; run "
+                               f"`certchat calibrate {name or cfg.model}`")
+    return doc, display
+
+
+def _destination(document: dict[str, Any], ship: bool) -> Path:
+    if ship:
+        if document["model"] not in models.REGISTRY:
+            raise CalibrationError(f"calibrate: --ship is for registry models, not {document['model']}")
+        return calibration.SHIPPED_DIR / f"{document['model']}.json"
+    return calibration.record_path(document["model_sha256"])
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.sketch_max_layers < 1:
         raise CalibrationError("calibrate: --sketch-max-layers must be at least 1")
     if not 0.0 <= args.min_probe_rate <= 1.0:
         raise CalibrationError("calibrate: --min-probe-rate is a share between 0 and 1, e.g. 0.9")
+    if args.certify_only or args.certify_from:
+        document, display = _record_in_force(args.model)
+        work = args.out or paths.cache_dir() / "calibrate" / document["model_sha256"][:16] / "certify"
+        document = _certify(args, document, work)
+        path = calibration.write_model(document, _destination(document, args.ship))
+        print(certify.summary(document["certification"], display, _risk()))
+        print(f"  written to {path}")
+        return 0
     document = calibrate(args)
-    path = calibration.record_path(document["model_sha256"])
-    if args.ship:
-        if document["model"] not in models.REGISTRY:
-            raise CalibrationError(f"calibrate: --ship is for registry models, not {document['model']}")
-        path = calibration.SHIPPED_DIR / f"{document['model']}.json"
-    calibration.write_model(document, path)
+    path = calibration.write_model(document, _destination(document, args.ship))
     print(summary(document, path))
+    if args.certify and document["calibrations"][0]["accepted"]:
+        # the replays run under the gate just written, as the chat will
+        work = (args.out or paths.cache_dir() / "calibrate" / document["model_sha256"][:16]) / "certify"
+        document = _certify(args, document, work)
+        calibration.write_model(document, path)
+        print(certify.summary(document["certification"], document["model"], _risk()))
     return 0
 
 
@@ -489,5 +556,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="refit on the replay an earlier calibration kept in DIR (its --out), without replaying")
     p.add_argument("--ship", action="store_true",
                    help="write the package's record (agent/gate/calibrations/NAME.json) for a registry model")
+    p.add_argument("--no-certify", action="store_false", dest="certify",
+                   help="fit the gate only: no long-chat certification (the model then keeps its full cache under "
+                        "budget = auto)")
+    p.add_argument("--certify-only", action="store_true", dest="certify_only",
+                   help="certify the gate the model has now on the long chats, without refitting it")
+    p.add_argument("--certify-budgets", default=",".join(certify.BUDGETS), dest="certify_budgets",
+                   help="budgets to certify, each paired against the full cache (default 50%%,25%%,10%%)")
+    p.add_argument("--certify-from", type=Path, nargs="+", dest="certify_from", metavar="DIR",
+                   help="certify from replays already recorded (full and poisson+gate runs of calibration chats), "
+                        "without replaying")
+    p.add_argument("--quick", action="store_true",
+                   help="certify on the 8k chat and LoCoMo only (about half the time; fewer probes certify less)")
     p.add_argument("--no-progress", action="store_true", dest="no_progress")
     p.set_defaults(func=cli_errors.guard(_cmd_calibrate), command="calibrate")
