@@ -161,6 +161,22 @@ def convert(name: str, sample: dict[str, Any], options: Options = Options()) -> 
                   meta=meta)
 
 
+def evidence_lines(sample: dict[str, Any], options: Options = Options()) -> list[list[str]]:
+    """For each probe :func:`convert` makes of ``sample``, in its order, the lines of its evidence as the script
+    writes them (``Speaker: text``, a photo's caption included): which message holds a fact, for a study that needs
+    the message and not only the user turn ``fact_turn`` names (an evidence line may be the assistant's)."""
+    conv = sample["conversation"]
+    sessions = _sessions(conv)
+    if options.max_sessions is not None:
+        sessions = sessions[: options.max_sessions]
+    lines = {str(u["dia_id"]): _line(u) for _, _, turns in sessions for u in turns if u.get("dia_id")}
+    out = []
+    for q in _select(sample.get("qa", []), options, {s for s, _, _ in sessions}):
+        evidence = _EVIDENCE.findall(" ".join(map(str, q.get("evidence", []))))
+        out.append([lines[f"D{s}:{d}"] for s, d in evidence if f"D{s}:{d}" in lines])
+    return out
+
+
 def _select(qa: list[dict[str, Any]], options: Options, kept_sessions: set[int]) -> list[dict[str, Any]]:
     chosen = []
     for q in qa:
