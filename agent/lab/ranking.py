@@ -366,6 +366,45 @@ class Dense:
             self._embedder = None
 
 
+class RecordedSketch:
+    """The gate's own ranking as a replay recorded it: each message's sketch anomaly (its share of the question's
+    attention over its baseline, ``certificate_detail["sketch.messages"]``, keyed by the message's index in the
+    chat). A message with nothing evicted has no reading and ranks last: it needs no restoring."""
+
+    name = "sketch (recorded)"
+
+    def __init__(self, files: Sequence[Path], policy: str) -> None:
+        import gzip  # noqa: PLC0415 — only for recorded runs
+
+        self.by_chat: dict[str, list[dict[str, Any]]] = {}
+        for f in files:
+            with (gzip.open(f, "rt", encoding="utf-8") if f.suffix == ".gz" else open(f, encoding="utf-8")) as fh:
+                doc = json.load(fh)
+            for run in doc["runs"]:
+                if run.get("policy") != policy:
+                    continue
+                name = Path(run.get("script") or doc["meta"]["scripts"][0]["name"]).stem
+                probes = [st for st in run["steps"] if st.get("kind") == "probe"]
+                self.by_chat[name] = [(st.get("certificate_detail") or {}).get("sketch.messages") or {}
+                                      for st in probes]
+        self._chat: Chat | None = None
+
+    def prepare(self, chat: Chat) -> float:
+        if chat.name not in self.by_chat:
+            raise SystemExit(f"no recorded {self.name} run for {chat.name} (recorded: {', '.join(self.by_chat)})")
+        if len(self.by_chat[chat.name]) != len(chat.cases):
+            raise SystemExit(f"{chat.name}: the recording has {len(self.by_chat[chat.name])} probes, the chat "
+                             f"{len(chat.cases)}: not the same conversion")
+        self._chat = chat
+        return math.nan  # read from a recording: the replay's own cost is the gate lab's to report
+
+    def scores(self, case: Case, cands: Sequence[int]) -> tuple[np.ndarray, float]:
+        assert self._chat is not None
+        readings = self.by_chat[self._chat.name][self._chat.cases.index(case)]
+        return np.array([float(readings[str(c)]["anomaly"]) if str(c) in readings else -np.inf
+                         for c in cands]), math.nan
+
+
 # -- the run ----------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -390,12 +429,14 @@ class Costs:
         table.setdefault(name, []).append(secs)
 
 
-def fusions(dense_names: Sequence[str]) -> list[tuple[str, str, str]]:
-    """(name, kind, dense signal) of each fusion with BM25."""
+def fusions(partners: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(name, kind, partner) of each fusion of BM25 with a meaning signal: reciprocal ranks, and min-max scores where
+    the partner's scores are all finite."""
     out = []
-    for d in dense_names:
-        tag = d.split(" ", 1)[1]
-        out += [(f"rrf bm25+dense {tag}", "rrf", d), (f"minmax bm25+dense {tag}", "minmax", d)]
+    for d in partners:
+        out.append((f"rrf bm25+{d}", "rrf", d))
+        if d.startswith("dense"):
+            out.append((f"minmax bm25+{d}", "minmax", d))
     return out
 
 
@@ -403,7 +444,7 @@ def rank_chat(chat: Chat, signals: Sequence[Signal], recent: int, costs: Costs) 
     """Every probe of a chat ranked under each signal and each BM25+dense fusion."""
     for sig in signals:
         costs.add(costs.per_chat, sig.name, sig.prepare(chat))
-    dense_names = [s.name for s in signals if s.name.startswith("dense")]
+    partners = [s.name for s in signals if s.name not in ("recency", "bm25")]
     rows = []
     for case in chat.cases:
         cands = candidates(case.history, recent)
@@ -412,7 +453,7 @@ def rank_chat(chat: Chat, signals: Sequence[Signal], recent: int, costs: Costs) 
         got: dict[str, tuple[np.ndarray, float]] = {}
         for sig in signals:
             got[sig.name] = sig.scores(case, cands) if cands else (np.zeros(0), 0.0)
-        for name, kind, d in fusions(dense_names):
+        for name, kind, d in fusions(partners):
             t = time.perf_counter()
             parts = [got["bm25"][0], got[d][0]]
             fused = rrf([ranks_of(p, cands) for p in parts]) if kind == "rrf" else minmax_fuse(parts)
@@ -420,7 +461,7 @@ def rank_chat(chat: Chat, signals: Sequence[Signal], recent: int, costs: Costs) 
         for name, (s, secs) in got.items():
             row.ranks[name] = fact_rank(s, cands, case.facts) if cands else None
             costs.add(costs.per_turn, name, secs)
-    for name, _, d in fusions(dense_names):
+    for name, _, d in fusions(partners):
         costs.add(costs.per_chat, name, costs.per_chat["bm25"][-1] + costs.per_chat[d][-1])
     return rows
 
@@ -435,9 +476,9 @@ def _pct(x: float) -> str:
 
 
 def _secs(xs: Sequence[float]) -> str:
-    if not xs:
+    v = sum(xs) / len(xs) if xs else math.nan
+    if math.isnan(v):
         return "—"
-    v = sum(xs) / len(xs)
     return f"{v:.4f}" if v < 0.1 else f"{v:.2f}"
 
 
@@ -514,7 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--locomo", nargs="+", type=Path, default=[], help="LoCoMo conversation files")
     p.add_argument("--varied", nargs="+", type=Path, default=[], help="held-out varied-recall scripts")
     p.add_argument("--qa-category", default="2,4", help="LoCoMo question categories (default 2,4)")
-    p.add_argument("--max-sessions", type=int, default=3, help="LoCoMo: the first N sessions (default 3)")
+    p.add_argument("--max-sessions", type=int, default=3, help="LoCoMo: the first N sessions (default 3; 0: all)")
+    p.add_argument("--sketch", nargs="+", type=Path, default=[],
+                   help="recorded results (.json[.gz]) whose probes carry per-message sketch readings, one per chat")
+    p.add_argument("--sketch-policy", default="poisson", help="the recorded run to read (default poisson: ungated)")
     p.add_argument("--models", default="", help="comma-separated chat models for the dense signal (none: no dense)")
     p.add_argument("--recent", type=int, default=RECENT, help=f"newest messages never candidates (default {RECENT})")
     p.add_argument("--role-prefix", action="store_true", help="dense: embed each message as 'role: text'")
@@ -523,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
 
-    options = locomo.Options(categories=locomo.parse_categories(args.qa_category), max_sessions=args.max_sessions)
+    options = locomo.Options(categories=locomo.parse_categories(args.qa_category),
+                             max_sessions=args.max_sessions or None)
     chats = [chat_of_script(script.load(f), "long") for f in args.long]
     chats += [c for f in args.locomo for c in locomo_chats(f, options)]
     chats += [chat_of_script(script.load(f), "varied") for f in args.varied]
@@ -541,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[ranking] {d.name}: {c.name} embedded", file=sys.stderr, flush=True)
         d.close()
     signals += dense
+    if args.sketch:
+        signals.append(RecordedSketch(args.sketch, args.sketch_policy))
     for c in chats:
         rows += rank_chat(c, signals, args.recent, costs)
     names = list(rows[0].ranks) if rows else [s.name for s in signals]
