@@ -127,3 +127,16 @@ def test_the_plan_measures_every_chat_at_the_largest_budget_before_the_next() ->
     assert [(j.chat, j.budget) for j in jobs] == [("x", None), ("y", None), ("x", "50%"), ("y", "50%"),
                                                   ("x", "25%"), ("y", "25%"), ("x", "10%"), ("y", "10%")]
     assert certification.percent(0.05) == "5%"
+
+
+def test_the_setting_line_names_the_budget_or_why_the_full_cache() -> None:
+    cert = Certification((Trial("50%", kept=118, lost=2), Trial("25%", kept=100, lost=20)))
+    assert certification.setting_line(cert, 0.10, "m").startswith("50% · certified ≤ 5.2% loss (lost 2 of 120")
+    line = certification.setting_line(cert, 0.03, "m")
+    assert line.startswith("full cache: no budget certified ≤ 3% loss (50% lost 2 of 120 right answers, bound 5.2%")
+    assert certification.setting_line(None, 0.10, "m") == "full cache: not certified on long chats"
+
+
+@pytest.mark.parametrize("x,text", [(0.05, "5%"), (0.0515, "5.2%"), (0.231, "24%"), (0.1, "10%"), (0.025, "2.5%")])
+def test_shares_print_rounded_up(x: float, text: str) -> None:
+    assert certification.percent(x) == text

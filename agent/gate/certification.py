@@ -187,8 +187,10 @@ def choose(trials: Sequence[Trial], risk: float, model: str, confidence: float =
 
 
 def percent(x: float) -> str:
-    """A risk as the user would write it: 5%, 2.5%."""
-    return f"{x * 100:.3g}%"
+    """A share as the user would write it (5%, 2.5%, 24%), rounded up, so a printed bound never understates it."""
+    v = x * 100
+    rounded = math.ceil(v * 10 - 1e-9) / 10 if v < 10 else math.ceil(v - 1e-9)
+    return f"{rounded:g}%"
 
 
 @dataclass(frozen=True)
@@ -236,3 +238,21 @@ class Certification:
                 "bound": "one-sided Clopper-Pearson, fixed-sequence over budgets (largest first)",
                 "budgets": [{**t.to_json(), "bound": t.bound(self.confidence), "certified_risk": risks[t.budget]}
                             for t in sorted(self.trials, key=lambda t: -t.share)]}
+
+
+def setting_line(cert: Certification | None, risk: float, model: str) -> str:
+    """What ``budget = "auto"`` runs for ``model`` at ``risk``, with the figures behind it, in one line: the README's
+    model table and ``certchat models list`` print it, so the advice on choosing a model is the record's."""
+    if cert is None:
+        return "full cache: not certified on long chats"
+    choice = cert.choose(risk, model)
+    if choice.budget is not None:
+        t = next(t for t in cert.trials if t.budget == choice.budget)
+        return (f"{choice.budget} · certified ≤ {percent(choice.certified_risk or 0.0)} loss (lost {t.lost} of "
+                f"{t.n} right answers)")
+    measured = sorted((t for t in cert.trials if t.n), key=lambda t: -t.share)
+    if not measured:
+        return "full cache: not certified on long chats"
+    t = measured[0]
+    return (f"full cache: no budget certified ≤ {percent(risk)} loss ({t.budget} lost {t.lost} of {t.n} right "
+            f"answers, bound {percent(t.bound(cert.confidence))})")
