@@ -50,11 +50,21 @@ class Config:
     """Layers offloaded to the GPU (needs a CUDA build; 0 = CPU only)."""
     policy: str = "poisson"
     """Eviction policy: full, window, topk, random or poisson (agent/eviction/policies.py)."""
-    budget: str = "25%"
-    """KV budget: a token count ("1024") or a share of the history ("10%"). The default, a quarter, was chosen on
-    long chats (docs/results/NOTES.md, "A quarter of the cache, and named re-reads"): with named re-reads
-    (``copy_back`` "auto") it recalled as much as a tenth with every history copied back (+0.06, 95% interval
-    −0.02 to +0.14, on 120 questions) at a lower turn time, within the time bar where the tenth was not."""
+    budget: str = "auto"
+    """KV budget: "auto" (the default), a token count ("1024") or a share of the history ("10%"). "auto" runs the
+    budget the model's record certifies for ``risk`` (``certchat calibrate`` replays long chats under the full cache
+    and several budgets with the model's gate, agent/gate/certification.py): the cheapest budget whose paired loss
+    against the full cache is bounded by ``risk``; where no budget is, or the record has no certification, the chat
+    keeps its full cache and says why in one line. An explicit budget is honoured, with one line saying whether the
+    model's record certifies it. Before certification, a quarter was the default, chosen on long chats
+    (docs/results/NOTES.md, "A quarter of the cache, and named re-reads")."""
+    risk: str = "10%"
+    """How much the chat may forget under ``budget = "auto"``: among the answers the full cache gets right, the share
+    an evicting budget may lose, at 95% confidence ("N%", 0 < N < 100). The default is 10% because that is the
+    smallest round risk the model's calibration can certify: a calibration of a couple of hours on 2 cores yields
+    about 60–100 right answers of the full cache, and the exact (Clopper–Pearson) bound with zero losses stays above
+    5% below 59 of them, so a 5% default would keep every model's full cache whatever its quality; at 10% such a
+    calibration certifies a budget that lost a few of them."""
     gate: str = "auto"
     """Gate threshold τ on the turn's statistic, "off" to disable, or "auto" for the calibrated default (which follows
     the conversation: its calibrated τ, raised to a multiple of the median of the recent turn statistics when the
@@ -192,6 +202,11 @@ class Config:
         return Budget.parse(self.budget)
 
     @functools.cached_property
+    def loss_risk(self) -> float:
+        """``risk`` parsed: the share (0.1 for "10%")."""
+        return parse_risk(self.risk)
+
+    @functools.cached_property
     def gate_threshold(self) -> GateThreshold:
         """``gate`` parsed."""
         return GateThreshold.parse(self.gate)
@@ -226,7 +241,7 @@ class Config:
             raise ConfigError(f"gpu_layers: must be 0 or more, got {self.gpu_layers}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        _ = self.kv_budget, self.gate_threshold  # parsed here once, kept for the components that read them
+        _ = self.kv_budget, self.loss_risk, self.gate_threshold  # parsed once, kept for the components reading them
         if self.temperature < 0:
             raise ConfigError(f"temperature: must be 0 or more, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -290,12 +305,14 @@ class Config:
 
 @dataclass(frozen=True)
 class Budget:
-    """A KV budget, parsed once from what the user typed: a share of the history ("10%") or a token count
-    ("1024"). Equal budgets are equal however they were written ("10%", " 10.0 %"), which is how calibration
-    records are looked up."""
+    """A KV budget, parsed once from what the user typed: a share of the history ("10%"), a token count ("1024"), or
+    ``auto`` (the budget the model's record certifies for the risk: the cache manager resolves it,
+    ``agent.eviction.budget.resolve``, into one of the other two or the full cache). Equal budgets are equal however
+    they were written ("10%", " 10.0 %"), which is how calibration records are looked up."""
 
     share: float | None = None
     tokens: int | None = None
+    auto: bool = False
 
     @classmethod
     def parse(cls, value: str | Budget) -> Budget:
@@ -303,6 +320,8 @@ class Budget:
         if isinstance(value, Budget):
             return value
         text = str(value).strip()
+        if text.lower() == "auto":
+            return cls(auto=True)
         try:
             if text.endswith("%"):
                 share = float(text[:-1]) / 100
@@ -314,17 +333,37 @@ class Budget:
                 raise ValueError
             return cls(tokens=tokens)
         except ValueError:
-            raise ConfigError(f"budget: expected a token count like 1024 or a share like 10%, got {value!r}") from None
+            raise ConfigError(f"budget: expected a token count like 1024, a share like 10% or \"auto\", "
+                              f"got {value!r}") from None
 
     def cells(self, history: int) -> int:
-        """Cells this budget allows for a history of ``history`` positions (before the protected minimum)."""
+        """Cells this budget allows for a history of ``history`` positions (before the protected minimum); an
+        ``auto`` budget has none until it is resolved."""
+        if self.auto:
+            raise ValueError("an auto budget is resolved for the model before it allows cells")
         if self.tokens is not None:
             return self.tokens
         assert self.share is not None
         return int(round(self.share * max(history, 1)))
 
     def __str__(self) -> str:
+        if self.auto:
+            return "auto"
         return str(self.tokens) if self.tokens is not None else f"{(self.share or 0) * 100:g}%"
+
+
+def parse_risk(value: str | float) -> float:
+    """The risk ``value`` names ("10%": 0.1), strictly between 0% and 100%; a one-line ConfigError otherwise."""
+    text = str(value).strip()
+    try:
+        if not text.endswith("%"):
+            raise ValueError
+        share = float(text[:-1]) / 100
+    except ValueError:
+        raise ConfigError(f"risk: expected a share like 10%, got {value!r}") from None
+    if not math.isfinite(share) or not 0 < share < 1:
+        raise ConfigError(f"risk: must lie strictly between 0% and 100%, got {value!r}")
+    return share
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,17 @@ class MemoryView:
     tokens (None once eviction applies, or under a policy that never evicts)."""
     full_cache_reason: str | None = None
     """Why an evicting policy runs the full cache at any length (``CacheManager.full_reason``: under gate "auto",
-    a model its calibration does not cover); None when the policy applies."""
+    a model its calibration does not cover; under budget "auto", a model whose record certifies no budget at the
+    risk); None when the policy applies."""
+    full_cache_hint: str | None = None
+    """How to evict anyway where ``full_cache_reason`` holds, in a few words (``CacheManager.full_hint``)."""
+    budget_words: str | None = None
+    """How much the chat may forget: "25% · certified ≤ 10% loss", "25% · not certified" or "full cache"
+    (``CacheManager.budget_words``); None where unknown."""
+    certified_risk: float | None = None
+    """The loss the budget in force is certified at on the model's long chats (None: not certified)."""
+    budget_notice: str | None = None
+    """An explicit budget the model's record does not certify: the one line that says so."""
     evicted_rows_bytes: int = 0
     """Host memory held by the evicted cells' K/V rows a firing gate copies back (config ``evicted_rows_mb``)."""
     frame_offset: int = 0

@@ -82,16 +82,20 @@ def engine(request: pytest.FixtureRequest, engine_factory: Callable[..., "Engine
 
 
 @pytest.fixture
-def calibrated_for() -> Iterator[Callable[[str], None]]:
+def calibrated_for() -> Iterator[Callable[..., None]]:
     """``calibrated_for("smollm2-135m")``: for this test, that registry model has a calibration of its own in the user's
     calibration dir (a temporary one): the shipped default model's gate records, naming this model's hash. Under gate
     "auto" a model without a calibration keeps the full cache (agent.eviction.budget); tests of eviction under the
-    calibrated gate on the fast models mark them this way, before their session starts."""
-    def mark(name: str) -> None:
+    calibrated gate on the fast models mark them this way, before their session starts. ``certification=``: the
+    record's ``certification`` too (``Certification.to_json()``), which ``budget = "auto"`` resolves through."""
+    def mark(name: str, certification: dict[str, Any] | None = None) -> None:
         shipped = json.loads(calibration.PATH.read_text(encoding="utf-8"))["calibrations"]
         sha = models.REGISTRY[name].sha256
-        calibration.write_model({"calibrations": [{**r, "model": name, "model_sha256": sha} for r in shipped]},
-                                calibration.record_path(sha))
+        document: dict[str, Any] = {"model": name, "model_sha256": sha,
+                                    "calibrations": [{**r, "model": name, "model_sha256": sha} for r in shipped]}
+        if certification is not None:
+            document["certification"] = certification
+        calibration.write_model(document, calibration.record_path(sha))
 
     yield mark
     calibration.forget()

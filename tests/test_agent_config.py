@@ -12,7 +12,7 @@ from agent import config
 
 def test_defaults_without_a_file(tmp_path: Path) -> None:
     cfg = config.load(tmp_path / "missing.toml")
-    assert cfg.policy == "poisson" and cfg.budget == "25%" and cfg.copy_back == "auto"
+    assert cfg.policy == "poisson" and (cfg.budget, cfg.risk) == ("auto", "10%") and cfg.copy_back == "auto"
 
 
 def test_file_then_flags(tmp_path: Path) -> None:

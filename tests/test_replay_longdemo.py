@@ -14,6 +14,7 @@ from typing import Callable
 import pytest
 
 from agent.config import Config
+from agent.gate.certification import Certification, Trial
 from agent.lab import cli_replay
 from agent.lab.replay import aggregate, longchat, longdemo
 
@@ -33,7 +34,9 @@ def _cli(argv: list[str]) -> int:
 def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str],
                                                    calibrated_for: Callable[[str], None]) -> None:
-    calibrated_for("smollm2-135m")  # poisson+gate under the calibrated gate evicts (else: the full cache)
+    # poisson+gate under the calibrated gate evicts (else: the full cache), at the budget the record certifies for
+    # the default risk (else: the full cache only)
+    calibrated_for("smollm2-135m", certification=Certification((Trial("50%", 100, 0), Trial("25%", 99, 1))).to_json())
     counter = longchat.TokenCounter(small_model)
     try:
         s = longchat.generate(5, 700, counter, probes=2)
@@ -45,8 +48,8 @@ def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: 
                  "--threads", "1", "--max-tokens", "4", "--no-progress", "--json", "--score-replies",
                  "--out", str(out)]) == 0
     columns = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["columns"]
-    # without --budget the demo runs the chat's shipped budget
-    assert [(c["policy"], c["budget"]) for c in columns] == [("full", "100%"), ("poisson+gate", Config.budget)]
+    # without --budget the demo runs what the chat runs on the model: the cheapest budget its record certifies
+    assert [(c["policy"], c["budget"]) for c in columns] == [("full", "100%"), ("poisson+gate", "25%")]
     full, gated = columns
     for c in columns:
         assert c["n_probes"] == 2 and c["turns"] == len(s.steps)

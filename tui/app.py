@@ -469,7 +469,9 @@ class CertchatApp(App[int]):
                          lambda p: self.set_policy(p) if p else None)
 
     def action_set_budget(self) -> None:
-        self.push_screen(InputDialog("KV budget", self.config.budget, hint="a token count (1024) or a share (10%)",
+        self.push_screen(InputDialog("KV budget", self.config.budget,
+                                     hint="'auto' (the budget certified for the risk), a token count (1024) or a "
+                                          "share (10%)",
                                      validate=settings.budget_problem),
                          lambda v: self.reconfigure(budget=v.strip()) if v else None)
 
@@ -563,9 +565,15 @@ class CertchatApp(App[int]):
             cmds.append(Command(f"Policy: {policy}", settings.POLICY_HELP.get(policy, "") + mark,
                                 functools.partial(self.reconfigure, policy=policy)))
         cmds.append(Command("Budget…", f"KV budget, now {c.budget}" + key("set_budget"), self.action_set_budget))
+        cmds.append(Command("Budget: auto", f"the budget the model's record certifies for the risk ({c.risk})",
+                            functools.partial(self.reconfigure, budget="auto")))
         for budget in ("10%", "25%", "50%"):
             cmds.append(Command(f"Budget: {budget}", "keep this share of the history",
                                 functools.partial(self.reconfigure, budget=budget)))
+        for risk in ("10%", "20%"):
+            mark = " — current" if risk == c.risk else ""
+            cmds.append(Command(f"Risk: {risk}", "the share of the full cache's right answers budget auto may lose"
+                                + mark, functools.partial(self.reconfigure, risk=risk)))
         cmds.append(Command("Gate…", f"gate threshold τ, now {c.gate}" + key("set_gate"), self.action_set_gate))
         for gate, about in (("auto", "the calibrated default τ"), ("off", "never re-read the history")):
             cmds.append(Command(f"Gate: {gate}", about, functools.partial(self.reconfigure, gate=gate)))

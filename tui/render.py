@@ -65,7 +65,8 @@ def status_line(info: StatusInfo) -> Content:
         Content.assemble((info.phase, "italic")),
         Content.assemble((info.model, "bold")),
         Content(f"policy {info.policy}"),
-        Content(f"budget {info.budget}" if info.policy != "full" else "budget –"),
+        Content("budget –" if info.policy == "full" else f"budget {info.budget}" if m is None or m.budget_words is None
+                else f"budget {m.budget_words}"),
     ]
     if m is not None:
         budget = f" (≤{m.budget_cells})" if m.budget_cells is not None else ""
@@ -80,7 +81,8 @@ def status_line(info: StatusInfo) -> Content:
             parts.append(Content(m.opened))
         if m.full_cache_reason is not None:
             # the fail-safe is a state the user should act on: in the warning colour, with the way out
-            parts.append(Content.assemble((f"{m.full_cache_reason} (gate τ or off evicts)", "$warning")))
+            hint = f" ({m.full_cache_hint})" if m.full_cache_hint else ""
+            parts.append(Content.assemble((f"{m.full_cache_reason}{hint}", "$warning")))
         parts.append(Content(f"{m.tok_per_s:.1f} tok/s" if m.tok_per_s else "– tok/s"))
         tau = m.gate_threshold
         if info.certificate is None:

@@ -30,11 +30,13 @@ KV_TYPE = "f16"
 
 
 def cache_key(config: "Config", engine: "Engine", model_sha256: str, patch_level: str,
-              statistic: str) -> dict[str, Any]:
+              statistic: str, budget: str | None = None) -> dict[str, Any]:
     """Everything that shapes the saved cache and what describes it: another value of any of these makes a state
-    unusable (the chat re-reads the log instead)."""
+    unusable (the chat re-reads the log instead). ``budget``: the budget in force (``auto`` resolved for the model:
+    a new certification can change it); None: the configured one."""
     layers, bits, window = engine.sketch_spec
-    return {"model": model_sha256, "patch": patch_level, "policy": config.policy, "budget": config.budget,
+    return {"model": model_sha256, "patch": patch_level, "policy": config.policy,
+            "budget": budget if budget is not None else config.budget,
             "evict_at": config.evict_at, "sketch": f"{','.join(map(str, layers)) or 'none'}/{bits}b/{window}",
             "n_ctx": engine.n_ctx, "n_batch": engine.settings.n_batch, "kv_type": KV_TYPE, "gate_stat": statistic}
 
@@ -207,8 +209,8 @@ class Saver:
         self.model_sha256 = model_sha256
         self.patch_level = patch_level
 
-    def key(self, config: "Config", engine: "Engine", statistic: str) -> dict[str, Any]:
-        return cache_key(config, engine, self.model_sha256, self.patch_level, statistic)
+    def key(self, config: "Config", engine: "Engine", statistic: str, budget: str | None = None) -> dict[str, Any]:
+        return cache_key(config, engine, self.model_sha256, self.patch_level, statistic, budget)
 
     def save(self, state: SessionState, key: dict[str, Any]) -> int:
         return self.states.save(state.conversation_id, pack(state, key))

@@ -147,13 +147,15 @@ class ChatSession:
         # resolved once per session: every component reads this model's own calibration (none: uncalibrated)
         self.model_calibration = calibration.of_file(engine.settings.model_path)
         self.memory = CacheManager(engine, config, self.model_calibration)
-        self.gate = Gate(config, self.model_calibration)
+        self.gate = Gate(config, self.model_calibration, self.memory.budget)
         self.sampler = llama.Sampler(self._sampler_params(), engine.info.n_vocab)
         self._segments: list[_Segment] = []
         self._turn_certs: list[tuple[int, float | None, bool]] = []
         self._last_tok_s: float | None = None
         self._told_reason: str | None = None
         """The full-cache notice (:attr:`full_cache_notice`) the chat last gave, so it is said once, not every turn."""
+        self._told_budget: str | None = None
+        """The budget's notice (:attr:`budget_notice`) the chat last gave, said once as the full-cache one is."""
         self._owns_engine = False
         self.conversation_id = -1
         if conversation_id is None:
@@ -189,7 +191,7 @@ class ChatSession:
         """Change policy, budget, gate or sampling for the next turns (validated)."""
         self.config = self.config.replace(**changes)
         self.memory.reconfigure(self.config)
-        self.gate.reconfigure(self.config)
+        self.gate.reconfigure(self.config, self.memory.budget)
         self.sampler.close()
         self.sampler = llama.Sampler(self._sampler_params(), self.engine.info.n_vocab)
 
@@ -204,7 +206,7 @@ class ChatSession:
         self.memory.reset()
         self._segments = []
         self._turn_certs = []
-        self._told_reason = None
+        self._told_reason = self._told_budget = None
         if self.config.system_prompt:
             msg = self.store.append_message(conv.id, "system", self.config.system_prompt)
             text = self.template.render([{"role": "system", "content": self.config.system_prompt}],
@@ -225,7 +227,7 @@ class ChatSession:
         claimed for this process first, so a second writer is refused before the re-read."""
         self.store.claim_conversation(conversation_id)
         self.conversation_id = conversation_id
-        self._told_reason = None
+        self._told_reason = self._told_budget = None
         started = time.perf_counter()
         reason = self._resume(conversation_id)
         if reason is None:
@@ -257,7 +259,9 @@ class ChatSession:
     # -- saved states ------------------------------------------------------------------------------
     def _state_key(self) -> dict[str, Any]:
         assert self.saver is not None
-        return self.saver.key(self.config, self.engine, self.gate.statistic)
+        in_force = self.memory.in_force.budget
+        return self.saver.key(self.config, self.engine, self.gate.statistic,
+                              str(in_force) if in_force is not None else None)
 
     def _resume(self, conversation_id: int) -> str | None:
         """Go on from the conversation's saved state; the reason it cannot be used (nothing changed then)."""
@@ -445,14 +449,24 @@ class ChatSession:
     def full_cache_notice(self) -> str | None:
         """Why the evicting policy keeps the full cache at any length and how to evict anyway; None when it applies."""
         reason = self.memory.full_reason
-        return f"{reason}; {calibration.UNCALIBRATED_HOW}" if reason is not None else None
+        return f"{reason}; {self.memory.full_how}" if reason is not None else None
+
+    @property
+    def budget_notice(self) -> str | None:
+        """The one line an explicit budget the model's record does not certify gets; None otherwise."""
+        return self.memory.budget_notice
 
     def _tell_full_reason(self, on_event: EventSink) -> None:
-        """Say once per conversation (and again when it changes) why the evicting policy keeps the full cache."""
+        """Say once per conversation (and again when it changes) why the evicting policy keeps the full cache, or
+        that the budget it runs is not certified for the model."""
         notice = self.full_cache_notice
         if notice is not None and notice != self._told_reason:
             on_event(ev.Notice(notice, "warning"))
         self._told_reason = notice
+        budget = self.budget_notice
+        if budget is not None and budget != self._told_budget:
+            on_event(ev.Notice(budget, "warning"))
+        self._told_budget = budget
 
     def _prefill(self, turn: Turn, on_event: EventSink, cancel: threading.Event | None) -> None:
         """Feed the message; the gate reads its certificate on the cache that will answer. Evicting at the
@@ -960,6 +974,8 @@ class ChatSession:
             certificates=list(self._turn_certs), gate_threshold=self.gate.threshold(), tok_per_s=self._last_tok_s,
             reread=reread,
             full_cache_until=self.memory.full_until, full_cache_reason=self.memory.full_reason,
+            full_cache_hint=self.memory.full_hint, budget_words=self.memory.budget_words,
+            certified_risk=self.memory.certified_risk, budget_notice=self.memory.budget_notice,
             opened=self.opened.words() if self.opened is not None else None,
             evicted_rows_bytes=self.engine.rows.nbytes if self.engine.rows is not None else 0,
             frame_offset=self.engine.frame_offset,

@@ -20,7 +20,10 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     """Flags every conversational command shares; each overrides the config file."""
     p.add_argument("--model", help="registry name or path to a GGUF file")
     p.add_argument("--policy", choices=config_mod.POLICIES)
-    p.add_argument("--budget", help="KV budget: tokens (1024) or share of the history (10%%)")
+    p.add_argument("--budget", help="KV budget: 'auto' (the budget the model's record certifies for the risk), "
+                                    "tokens (1024) or share of the history (10%%)")
+    p.add_argument("--risk", help="under budget auto, the share of the full cache's right answers it may lose "
+                                  "(10%%)")
     p.add_argument("--gate", help="gate threshold τ, 'auto' or 'off'")
     p.add_argument("--evict-from", type=int, dest="evict_from", metavar="TOKENS",
                    help="history length below which the full cache is kept (0: evict from the first turn)")
@@ -35,7 +38,7 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> config_mod.Config:
     cfg = config_mod.load()
-    keys = ("model", "policy", "budget", "gate", "evict_from", "seed", "temperature", "max_tokens", "n_ctx",
+    keys = ("model", "policy", "budget", "risk", "gate", "evict_from", "seed", "temperature", "max_tokens", "n_ctx",
             "gpu_layers", "threads")
     return cfg.replace(**{k: getattr(args, k, None) for k in keys})
 
@@ -81,10 +84,15 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         print(f"certchat ask: {err}", file=sys.stderr)
         return 1
     if args.json:
-        # the status beside the turn: below config evict_from, or on a model the gate is not calibrated for, the
-        # chat runs the full cache (ev.MemoryView)
+        # the status beside the turn: below config evict_from, on a model the gate is not calibrated for, or where
+        # budget auto certifies no budget, the chat runs the full cache (ev.MemoryView); the budget in force and the
+        # loss it is certified at (null: not certified), with the configured risk
         opened = session.opened
-        print(json.dumps({**result.as_json(), "full_cache_until": session.memory.full_until,
+        memory = session.memory
+        print(json.dumps({**result.as_json(), "full_cache_until": memory.full_until,
+                          "budget": str(memory.budget) if memory.budget is not None else None,
+                          "risk": memory.settings.risk, "certified_risk": memory.certified_risk,
+                          "budget_notice": session.budget_notice,
                           "full_cache_reason": session.full_cache_notice,
                           "resumed": opened.resumed if opened is not None else None,
                           "resume_reason": opened.reason if opened is not None else None,
@@ -105,8 +113,8 @@ def _cmd_repl(args: argparse.Namespace) -> int:
     tty = sys.stdin.isatty()
     cli_errors.tolerant_stdin()
     if tty:
-        print(f"certchat — conversation {session.conversation_id}, policy {cfg.policy}, budget {cfg.budget}. "
-              "Ctrl-D quits, Ctrl-C stops an answer.", file=sys.stderr)
+        print(f"certchat — conversation {session.conversation_id}, policy {cfg.policy}, budget "
+              f"{session.memory.budget_words}. Ctrl-D quits, Ctrl-C stops an answer.", file=sys.stderr)
     while True:
         try:
             line = input("you> " if tty else "")

@@ -11,6 +11,7 @@ from typing import Any
 from agent import config as config_mod
 from agent import models, paths
 from agent.chat.saved_state import SavedStates, state_dir
+from agent.eviction import budget as budget_mod
 from agent.eviction import policies
 from agent.gate import calibration
 from memory_store.locking import LOCK_SUFFIX
@@ -106,10 +107,18 @@ def gate_report() -> dict[str, Any]:
     found = calibration.for_model(sha) if sha else None
     reason = calibration.full_cache_reason(found, cfg.evict_at)
     calibrated = reason is None if sha else None
-    held = cfg.gate_threshold.auto and policies.from_config(cfg).evicts and calibrated is False
+    evicts = policies.from_config(cfg).evicts
+    held = cfg.gate_threshold.auto and evicts and calibrated is False
+    # the budget the chat runs (agent.eviction.budget.resolve, as the cache manager resolves it) and its line
+    name = budget_mod.model_name(found, models.model_file(cfg.model) if registry else path)
+    in_force = budget_mod.resolve(cfg.kv_budget, cfg.loss_risk, evicts, found, name)
     return {"model": cfg.model, "gate": cfg.gate, "policy": cfg.policy, "evict_at": cfg.evict_at,
             "calibrated": calibrated, "calibration": str(found.path) if calibrated and found is not None else None,
-            "note": f"{reason}; {calibration.UNCALIBRATED_HOW}" if held else None}
+            "note": f"{reason}; {calibration.UNCALIBRATED_HOW}" if held else None,
+            "budget": cfg.budget, "risk": cfg.risk,
+            "budget_in_force": str(in_force.budget) if in_force.budget is not None and not held else None,
+            "certified_risk": in_force.certified_risk if in_force.budget is not None and not held else None,
+            "budget_line": None if held or not evicts else in_force.reason or in_force.notice or in_force.words()}
 
 
 def render(data: dict[str, Any]) -> str:
@@ -156,4 +165,7 @@ def _gate_line(gate: dict[str, Any]) -> str:
     line = f"gate              : {gate.get('gate')} on {gate.get('model')} (evict_at {gate.get('evict_at')}): {state}"
     if gate.get("calibration"):
         line += f" ({gate['calibration']})"
-    return line + (f"\n  {gate['note']}" if gate.get("note") else "")
+    line += f"\n  {gate['note']}" if gate.get("note") else ""
+    if gate.get("budget_line"):
+        line += f"\nbudget            : {gate.get('budget')} at risk {gate.get('risk')}: {gate['budget_line']}"
+    return line

@@ -24,19 +24,27 @@ Under ``gate = "auto"`` on a model without a calibration (``calibration.for_mode
 does not apply at any length (:attr:`CacheManager.full_reason`): the calibrated floor sits where such a model's
 turns never reach it, so the gate would never fire and eviction would forget silently. An explicit threshold or
 ``gate = "off"`` is the user's choice and evicts as configured.
+
+The budget is resolved here too (:func:`resolve`, :attr:`CacheManager.in_force`): ``budget = "auto"`` runs the
+cheapest budget the model's record certifies for config ``risk`` (agent/gate/certification.py), and where none is
+certified, or the record has no certification, the full cache at any length, with the one line why as
+:attr:`CacheManager.full_reason`. An explicit budget runs as given, with one notice line when the record does not
+certify it at the risk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from agent import models
 from agent.config import Budget, Config, GateThreshold
 from agent.events import Hook
 from agent.eviction import policies
-from agent.gate import calibration
+from agent.gate import calibration, certification
 from agent.llm.engine import Engine, FrameShift
 from native import patched, poisson
 
@@ -66,11 +74,88 @@ class ContextShift:
     """Positions kept at the front (the sinks, and the first message when it is short)."""
 
 
+BUDGET_HOW = ("evict anyway with a budget of your own (--budget 25%), or allow more loss (--risk 20%, config "
+              "risk)")
+"""How to get eviction on a model whose record certifies no budget at the risk (or none at all)."""
+HINTS = {calibration.UNCALIBRATED_HOW: "gate τ or off evicts", BUDGET_HOW: "--budget or a higher risk evicts"}
+"""Each way out in a few words (the status line's)."""
+
+
+@dataclass(frozen=True)
+class BudgetInForce:
+    """The budget a chat runs and how much it may forget, resolved once per configuration (:func:`resolve`)."""
+
+    configured: Budget
+    """The budget as configured: ``auto`` or an explicit one."""
+    budget: Budget | None
+    """The budget run (``auto`` resolved); None: the full cache at any length (``reason`` says why), or a policy that
+    never evicts."""
+    risk: float
+    """The configured risk (config ``risk``)."""
+    certified_risk: float | None = None
+    """The loss ``budget`` is certified at on the model's long calibration chats (None: not certified)."""
+    reason: str | None = None
+    """Why ``budget = "auto"`` keeps the full cache (certification.NO_BUDGET or NOT_CERTIFIED); None otherwise."""
+    notice: str | None = None
+    """An explicit budget the model's record does not certify at the risk: the one line that says so."""
+
+    @property
+    def certified(self) -> bool:
+        """The budget run is certified within the risk."""
+        return self.certified_risk is not None and self.certified_risk <= self.risk
+
+    def words(self) -> str:
+        """How much the chat may forget, for the status line and the memory panel: "25% · certified ≤ 10% loss",
+        "25% · not certified", or "full cache"."""
+        if self.budget is None:
+            return "full cache"
+        if self.certified_risk is None:
+            return f"{self.budget} · not certified"
+        return f"{self.budget} · certified ≤ {certification.percent(self.certified_risk)} loss"
+
+
+def resolve(budget: Budget, risk: float, evicts: bool, model: calibration.ModelCalibration | None,
+            name: str) -> BudgetInForce:
+    """The budget an evicting policy runs for ``budget`` at ``risk`` on the model of calibration ``model``, named
+    ``name`` in the lines (:func:`model_name`). ``auto``: the cheapest budget the record's certification certifies at
+    ``risk``, else the full cache with certification.NO_BUDGET (nothing certifies) or NOT_CERTIFIED (no
+    certification). An explicit budget runs as given, with certification.UNCERTIFIED_BUDGET when not certified at
+    ``risk``. A policy that never evicts runs no budget and needs no line."""
+    if not evicts:
+        return BudgetInForce(budget, None, risk)
+    certified = model.certification if model is not None else None
+    if budget.auto:
+        if certified is None:
+            return BudgetInForce(budget, None, risk, reason=certification.NOT_CERTIFIED.format(model=name))
+        choice = certified.choose(risk, name)
+        if choice.budget is None:
+            return BudgetInForce(budget, None, risk, reason=choice.reason)
+        return BudgetInForce(budget, Budget.parse(choice.budget), risk, choice.certified_risk)
+    if certified is None:
+        return BudgetInForce(budget, budget, risk, notice=certification.UNCERTIFIED_BUDGET.format(
+            model=name, budget=budget, detail="the model's record has no certification"))
+    return BudgetInForce(budget, budget, risk, certified.certified_risk(budget),
+                         notice=certified.explain(budget, risk, name))
+
+
+def model_name(model: calibration.ModelCalibration | None, path: Path) -> str:
+    """How the budget's lines name a model: its registry name when the GGUF is a registry model (by its hash, or the
+    registry's file), else the file's stem."""
+    sha = model.model_sha256 if model is not None else None
+    resolved = path.expanduser().resolve()
+    for name, spec in models.REGISTRY.items():
+        if spec.sha256 == sha or models.model_file(name).resolve() == resolved:
+            return name
+    return path.stem
+
+
 @dataclass(frozen=True)
 class EvictionSettings:
     """What the cache manager reads of the configuration, parsed once (:meth:`from_config`)."""
 
     budget: Budget
+    """The budget as configured (``auto`` is resolved by the cache manager: :attr:`CacheManager.in_force`)."""
+    risk: float
     gate: GateThreshold
     evict_from: int
     evict_at: str
@@ -90,8 +175,9 @@ class EvictionSettings:
 
     @classmethod
     def from_config(cls, config: Config) -> EvictionSettings:
-        return cls(budget=config.kv_budget, gate=config.gate_threshold, evict_from=config.evict_from,
-                   evict_at=config.evict_at, sinks=config.sinks, recent=config.recent, page_size=config.page_size,
+        return cls(budget=config.kv_budget, risk=config.loss_risk, gate=config.gate_threshold,
+                   evict_from=config.evict_from, evict_at=config.evict_at, sinks=config.sinks, recent=config.recent,
+                   page_size=config.page_size,
                    seed=config.seed, question_window=config.question_window, cert_window=config.cert_window,
                    sketch_layers=config.sketch_layer_choice, sketch_bits=config.sketch_bits, n_batch=config.n_batch,
                    max_tokens=config.max_tokens, evicted_rows_mb=config.evicted_rows_mb, frame_shift=config.frame_shift)
@@ -118,14 +204,25 @@ class CacheManager:
         self._importance: list[patched.Importance] = []
         """Attention readings since the last eviction (the question's window; at turn end also the closing's)."""
         self.full_reason: str | None = None
-        """Why the evicting policy does not apply at any history length (None: it applies from ``evict_from``)."""
+        """Why the evicting policy does not apply at any history length (None: it applies from ``evict_from``): the
+        gate's calibration is missing (:meth:`_uncalibrated`), or ``budget = "auto"`` certifies no budget."""
+        self.full_how: str | None = None
+        """How to evict anyway where :attr:`full_reason` holds (None where it does not)."""
+        self.name = model_name(model, engine.settings.model_path)
+        """The model as the budget's lines name it."""
+        self.in_force = BudgetInForce(Budget(auto=True), None, 0.0)
+        """The budget run and how much it may forget (:func:`resolve`)."""
         self.reconfigure(config)
 
     # -- configuration ------------------------------------------------------------------
     def reconfigure(self, config: Config) -> None:
         self.settings = settings = EvictionSettings.from_config(config)
         self.policy = policies.from_config(config)
-        self.full_reason = self._uncalibrated()
+        self.in_force = resolve(settings.budget, settings.risk, self.policy.evicts, self.model_calibration, self.name)
+        uncalibrated = self._uncalibrated()
+        self.full_reason = uncalibrated or self.in_force.reason
+        self.full_how = (calibration.UNCALIBRATED_HOW if uncalibrated is not None
+                         else BUDGET_HOW if self.full_reason is not None else None)
         # The readout costs a little per step: on only for a policy that uses it, and with a window fixed for
         # the context, since every window change rebuilds the scheduler's graph reservation. A ubatch reports
         # its last min(rows, n_tokens) rows, so one setting serves the question window of a prefill, the
@@ -232,13 +329,44 @@ class CacheManager:
         self.rolled_back(*forgotten)
 
     # -- budget ----------------------------------------------------------------------------
+    @property
+    def budget(self) -> Budget | None:
+        """The budget in force (``auto`` resolved); None where the full cache runs at any length."""
+        return self.in_force.budget if self.full_reason is None else None
+
+    @property
+    def full_hint(self) -> str | None:
+        """:attr:`full_how` in a few words (the status line's)."""
+        return HINTS.get(self.full_how) if self.full_how is not None else None
+
+    @property
+    def certified_risk(self) -> float | None:
+        """The loss the budget in force is certified at on the model's long calibration chats (None: not
+        certified, or none in force)."""
+        return self.in_force.certified_risk if self.budget is not None else None
+
+    @property
+    def budget_words(self) -> str:
+        """How much the chat may forget (:meth:`BudgetInForce.words`): "25% · certified ≤ 10% loss", "25% · not
+        certified", or "full cache" where the full cache runs at any length."""
+        if not self.policy.evicts or self.full_reason is not None:
+            return "full cache"
+        return self.in_force.words()
+
+    @property
+    def budget_notice(self) -> str | None:
+        """The one line an explicit budget gets where the model's record does not certify it (None: certified, or
+        the budget does not apply at all)."""
+        return self.in_force.notice if self.full_reason is None else None
+
     def budget_cells(self, history: int | None = None) -> int | None:
         """Cells the budget allows for a history of ``history`` tokens (default: the current one); None for
         the full cache (a policy that never evicts, or a history below ``evict_from``)."""
         if not self.evicting(history):
             return None
         length = self.engine.log_position(self.engine.next_pos) if history is None else history
-        cells = self.settings.budget.cells(length)
+        assert self.in_force.budget is not None  # evicting: a budget was resolved
+        cells = self.in_force.budget.cells(length)
         return max(cells, self.settings.sinks + self.settings.recent)
 
     def split_question(self, n_tokens: int) -> int:

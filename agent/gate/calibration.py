@@ -40,6 +40,7 @@ from agent import models, paths
 from agent.config import DEFAULT_EVICT_AT, Budget
 from agent.gate import certificate, signals
 from agent.gate.certificate import CertificateForm, Component
+from agent.gate.certification import Certification
 
 PATH = Path(__file__).parent / "gate_calibration.json"
 SHIPPED_DIR = Path(__file__).parent / "calibrations"
@@ -172,14 +173,17 @@ class GateCalibration:
 
 @dataclass(frozen=True)
 class ModelCalibration:
-    """Everything calibrated for one GGUF: its gate (one record per ``evict_at``) and, when the calibration fitted
-    one, its certificate (the file's ``multipliers``, rows as in ``certificate_calibration.json``)."""
+    """Everything calibrated for one GGUF: its gate (one record per ``evict_at``), when the calibration fitted
+    one, its certificate (the file's ``multipliers``, rows as in ``certificate_calibration.json``), and when it
+    replayed long chats, its certification (the file's ``certification``: each budget's paired loss against the full
+    cache and certified risk, agent/gate/certification.py), which ``budget = "auto"`` resolves through."""
 
     model_sha256: str
     path: Path
     gates: tuple[GateCalibration, ...]
     certificate: tuple[certificate.Record, ...] = ()
     model: str | None = None
+    certification: Certification | None = None
 
     def gate(self, evict_at: str = DEFAULT_EVICT_AT) -> GateCalibration | None:
         """The gate for ``evict_at``; None when none was fitted, or its fit was rejected (``accepted``: false, a gate
@@ -248,14 +252,21 @@ def read(path: Path) -> list[ModelCalibration]:
         gates = [_gate(r) for r in _records_of(data)]
         rows = (data.get("multipliers") or []) if isinstance(data, dict) else []
         cert = certificate.parse_records(rows)
+        certified = Certification.from_record(data.get("certification")) if isinstance(data, dict) else None
     except FileNotFoundError:
         return []
     except (OSError, ValueError, KeyError, TypeError) as err:
         log.warning("unreadable gate calibration %s (%s): skipped", path, err)
         return []
     shas = dict.fromkeys(g.model_sha256 for g in gates if g.model_sha256)
+    # a file's certification is the model the file names (certchat calibrate writes one model per file)
+    owner = data.get("model_sha256") if isinstance(data, dict) else None
+    owner = str(owner) if owner else next(iter(shas)) if len(shas) == 1 else None
+    if certified is not None and owner:
+        shas.setdefault(owner)
     return [ModelCalibration(sha, path, tuple(g for g in gates if g.model_sha256 == sha), cert,
-                             next((g.model for g in gates if g.model_sha256 == sha), None)) for sha in shas]
+                             next((g.model for g in gates if g.model_sha256 == sha), None),
+                             certified if sha == owner else None) for sha in shas]
 
 
 def record_path(model_sha256: str) -> Path:
@@ -285,7 +296,8 @@ def for_model(model_sha256: str | None) -> ModelCalibration | None:
         for g in m.gates:
             gates.setdefault(g.record["evict_at"], g)
     cert = next((m.certificate for m in found if m.certificate), ())
-    return ModelCalibration(model_sha256, found[0].path, tuple(gates.values()), cert, found[0].model)
+    certified = next((m.certification for m in found if m.certification is not None), None)
+    return ModelCalibration(model_sha256, found[0].path, tuple(gates.values()), cert, found[0].model, certified)
 
 
 def of_file(model_path: Path) -> ModelCalibration | None:

@@ -293,6 +293,8 @@ class GateSettings:
     and the τ is the calibrated one."""
     evict_at: str
     budget: Budget
+    """The budget the cache manager runs (``auto`` resolved, ``CacheManager.budget``): the certificate's calibration
+    is looked up by it."""
     model: str
     policy: str
     page_size: int
@@ -306,7 +308,9 @@ class GateSettings:
         return self.bars[0].signal.name
 
     @classmethod
-    def from_config(cls, config: Config, model: calibration.ModelCalibration | None) -> GateSettings:
+    def from_config(cls, config: Config, model: calibration.ModelCalibration | None,
+                    budget: Budget | None = None) -> GateSettings:
+        """``budget``: the budget in force (None: the configured one)."""
         stat = config.gate_stat
         cal = model.gate(config.evict_at) if model is not None else None
         auto = cal.statistic if cal is not None else calibration.fallback_statistic(config.evict_at)
@@ -315,8 +319,8 @@ class GateSettings:
         bars = (Bar.own(auto if stat == "auto" else stat), *([Bar.calibrated(second)] if second is not None else []))
         return cls(threshold=config.gate_threshold, calibrated=cal,
                    certificate_records=model.certificate if model is not None and model.certificate else None,
-                   bars=bars,
-                   evict_at=config.evict_at, budget=config.kv_budget, model=config.model, policy=config.policy,
+                   bars=bars, evict_at=config.evict_at, budget=budget or config.kv_budget, model=config.model,
+                   policy=config.policy,
                    page_size=config.page_size, answer_certificate=config.answer_certificate,
                    reread_budget=config.reread_budget, reread_copy=config.reread_copy)
 
@@ -324,10 +328,12 @@ class GateSettings:
 class Gate:
     """The gate of one session: threshold, statistic, the turn's certificates, and the re-read planner."""
 
-    def __init__(self, config: Config, model: calibration.ModelCalibration | None) -> None:
-        """``model``: the model's calibration (:func:`calibration.for_model`; None: it has none)."""
+    def __init__(self, config: Config, model: calibration.ModelCalibration | None,
+                 budget: Budget | None = None) -> None:
+        """``model``: the model's calibration (:func:`calibration.for_model`; None: it has none); ``budget``: the
+        budget the cache manager runs (``CacheManager.budget``; None: the configured one)."""
         self.model_calibration = model
-        self.settings = GateSettings.from_config(config, model)
+        self.settings = GateSettings.from_config(config, model, budget)
         self.turn = TurnCertificates()
         self.copy: ReadCopy | None = None
         self._paid: dict[int, list[np.ndarray]] = {}
@@ -344,8 +350,8 @@ class Gate:
         """Heard after every :meth:`read_question` that read one: (the engine, the question's rows, whether the
         design is sampled)."""
 
-    def reconfigure(self, config: Config) -> None:
-        self.settings = GateSettings.from_config(config, self.model_calibration)
+    def reconfigure(self, config: Config, budget: Budget | None = None) -> None:
+        self.settings = GateSettings.from_config(config, self.model_calibration, budget)
         self._tau = None
 
     # -- threshold and statistic ------------------------------------------------------

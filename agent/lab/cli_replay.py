@@ -3,6 +3,8 @@
 Forms of ``replay`` (the work lives in ``agent.lab.replay``):
 
     certchat replay SCRIPT… [--policy …] [--budget 10%] [--seeds N] [--out DIR] [--json] [--shard i/n]
+        (without --budget: what the chat runs on the model — the budget its record certifies for the configured
+        risk, or the full cache only, said in one line; a --study without --budget runs 10%)
     certchat replay --locomo FILE [--qa-category 1,2,4] [--max-sessions N] [--max-probes N]
     certchat replay --conversation ID [--db PATH]
     certchat replay --study attribution|gating|coverage …
@@ -21,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from agent import config as config_mod
-from agent import paths
+from agent import models, paths
 from agent.cli import errors as cli_errors
 from agent.eviction import policies as policies_mod
 
 DEFAULT_POLICIES = ",".join(policies_mod.REPLAY_NAMES)
+STUDY_BUDGET = "10%"
+"""What a certificate study runs without --budget (it needs an evicting budget, certified or not)."""
 
 
 def _default_out(kind: str) -> Path:
@@ -76,13 +80,40 @@ class _Usage(cli_errors.UsageError):
     """Wrong combination of arguments."""
 
 
-def _settings(args: argparse.Namespace, out: Path, policies: str | None = None) -> Any:
+def chat_budgets(args: argparse.Namespace, model: str | None, policies: list[str]) -> tuple[list[str], list[str]]:
+    """The (policies, budgets) a replay runs: ``--budget``'s; without it, what the chat runs on ``model`` (default:
+    the configured one) — its configured budget, ``auto`` resolved as the cache manager resolves it
+    (``agent.eviction.budget.resolve``): the budget the model's record certifies for the configured risk, or none,
+    and then only the policies that keep the full cache (``full``). Says which in one line."""
+    from agent.eviction import budget as budget_mod  # noqa: PLC0415
+    from agent.gate import calibration  # noqa: PLC0415
+    from agent.lab.replay import runner  # noqa: PLC0415
+
+    if args.budget is not None:
+        return policies, runner.parse_budgets(args.budget)
+    cfg = _base_config(args)
+    path = models.resolve(model or cfg.model)
+    found = calibration.of_file(path)
+    in_force = budget_mod.resolve(cfg.kv_budget, cfg.loss_risk, True, found, budget_mod.model_name(found, path))
+    if in_force.budget is None:
+        print(f"{in_force.reason}: replaying the full cache only, as the chat runs it (--budget runs a budget anyway)",
+              file=sys.stderr)
+        return ([p for p in policies if runner.base_policy(p) == "full"] or ["full"]), []
+    budget = str(in_force.budget)
+    print(in_force.notice or f"budget {in_force.words()} ({'auto' if cfg.kv_budget.auto else 'configured'}), "
+          "as the chat runs it", file=sys.stderr)
+    return policies, [budget]
+
+
+def _settings(args: argparse.Namespace, out: Path, policies: list[str] | None = None,
+              budgets: list[str] | None = None) -> Any:
     from agent.lab.replay import batch, runner  # noqa: PLC0415
     from agent.lab.replay.report import command_line  # noqa: PLC0415
 
     protocols = tuple(p.strip() for p in args.protocol.split(",") if p.strip())
     return batch.Settings(
-        out=out, policies=runner.parse_policies(policies or args.policy), budgets=runner.parse_budgets(args.budget),
+        out=out, policies=policies if policies is not None else runner.parse_policies(args.policy),
+        budgets=budgets if budgets is not None else runner.parse_budgets(args.budget or STUDY_BUDGET),
         seeds=args.seeds, gate=args.gate, protocols=protocols, model=args.model, temperature=args.temperature,
         max_tokens=args.max_tokens, n_ctx=args.n_ctx, threads=args.threads, shard=args.shard,
         plots=not args.no_plots, progress=not args.no_progress, command=command_line(getattr(args, "argv", None)),
@@ -104,7 +135,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         raise _Usage("--seeds: must be at least 1")
     runner.parse_policies(args.policy)  # flags first: a typo should not wait for a script to load
-    runner.parse_budgets(args.budget)
+    if args.budget is not None:
+        runner.parse_budgets(args.budget)
     if args.study and args.from_results:
         return _cmd_study_from(args)
     scripts = _load_scripts(args)
@@ -121,7 +153,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from agent.lab.replay import batch  # noqa: PLC0415
 
     out = args.out or _default_out("replay")
-    doc = batch.run(scripts, _settings(args, out), _base_config(args))
+    policies, budgets = chat_budgets(args, args.model, runner.parse_policies(args.policy))
+    doc = batch.run(scripts, _settings(args, out, policies, budgets), _base_config(args))
     _emit(doc, args, out)
     return 0
 
@@ -255,7 +288,9 @@ def _cmd_demo_long(args: argparse.Namespace) -> int:
     else:
         if args.seeds < 1:
             raise _Usage("--seeds: must be at least 1")
-        policies, budgets = runner.parse_policies(args.policy), runner.parse_budgets(args.budget)
+        policies = runner.parse_policies(args.policy)
+        if args.budget is not None:
+            runner.parse_budgets(args.budget)
         runner.shard([], args.shard)  # a bad --shard fails before the model loads
         scripts = _long_scripts(args)
         out = args.out or _default_out("long" + ("-quick" if args.quick else ""))
@@ -264,6 +299,8 @@ def _cmd_demo_long(args: argparse.Namespace) -> int:
                 print(f"{longchat.save(s, out)}: {longchat.describe(s)}", file=sys.stderr)
             else:
                 print(f"{s.source}: {longchat.describe(s)}", file=sys.stderr)
+        # the demo measures the chat as it ships: without --budget, what the chat runs on the model
+        policies, budgets = chat_budgets(args, args.model or longchat.FIXTURE_MODEL, policies)
         max_tokens = args.max_tokens or (longchat.QUICK_MAX_TOKENS if args.quick else 32)
         settings = batch.Settings(
             out=out, policies=policies, budgets=budgets, seeds=args.seeds, gate=args.gate,
@@ -306,10 +343,13 @@ def _cmd_demo_recall30(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int, budget: str = "10%") -> None:
+def _add_run_flags(p: argparse.ArgumentParser, policies: str, seeds: int, budget: str | None = None) -> None:
+    """``budget``: the default of --budget; None: what the chat runs on the model (:func:`chat_budgets`)."""
     p.add_argument("--policy", default=policies,
                    help=f"comma-separated: {', '.join(policies_mod.REPLAY_NAMES)} (default {policies})")
-    shown = budget.replace("%", "%%")
+    shown = (budget.replace("%", "%%") if budget is not None
+             else "what the chat runs on the model: the budget its record certifies for the risk, or the full cache "
+                  f"only; a --study runs {STUDY_BUDGET.replace('%', '%%')}")
     p.add_argument("--budget", default=budget, help=f"KV budget(s), comma-separated: 10%% or 1024 (default {shown})")
     p.add_argument("--seeds", type=int, default=seeds, help="seeds 0…N−1 for the randomised policies")
     p.add_argument("--gate", default="auto", help="gate threshold τ for poisson+gate, or 'auto' (calibrated)")
@@ -376,7 +416,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="built-in demonstrations")
     demo_sub = demo.add_subparsers(dest="demo_command", metavar="DEMO", required=True)
     d = demo_sub.add_parser("recall30", help="thirty-turn recall at a 10%% budget: full, topk, poisson, gated")
-    _add_run_flags(d, "full,topk,poisson,poisson+gate", 3)
+    _add_run_flags(d, "full,topk,poisson,poisson+gate", 3, budget="10%")
     d.add_argument("--quick", action="store_true", help="two scenarios, one seed (a few minutes on 2 CPU cores)")
     d.add_argument("--regenerate-fixtures", action="store_true", dest="regenerate_fixtures",
                    help="regenerate the committed filler replies (full cache, greedy) and exit")
@@ -385,8 +425,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     lg = demo_sub.add_parser("long", help="a long chat (16k tokens by default): recall and time per turn, "
                                           "full against evicted and gated")
-    # the long demo measures the chat as it ships: its default budget
-    _add_run_flags(lg, "full,topk,poisson,poisson+gate", 1, budget=config_mod.Config.budget)
+    # the long demo measures the chat as it ships: without --budget, what the chat runs on the model
+    _add_run_flags(lg, "full,topk,poisson,poisson+gate", 1)
     lg.set_defaults(max_tokens=None)
     lg.add_argument("--quick", action="store_true",
                     help="the committed ~8k-token fixture (under 15 minutes on 2 CPU cores)")

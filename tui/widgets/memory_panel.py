@@ -57,8 +57,10 @@ class MemoryPanel(Vertical):
             return
         width = max(8, self.content_size.width or 30)
         budget = f" · budget {memory.budget_cells}" if memory.budget_cells is not None else " · no budget"
+        # how much it may forget: the budget in force and its certified loss (an evicting policy's)
+        forget = f"\nbudget {memory.budget_words}" if memory.policy != "full" and memory.budget_words else ""
         self.query_one("#cells", Static).update(
-            Content(f"{memory.live_cells}/{memory.allocated_cells} cells{budget}"))
+            Content(f"{memory.live_cells}/{memory.allocated_cells} cells{budget}{forget}"))
         self.query_one("#gauge", Static).update(render.cells_gauge(memory, width))
         chart = self.query_one(CertificateChart)
         chart.threshold = memory.gate_threshold
