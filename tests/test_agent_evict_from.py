@@ -145,9 +145,11 @@ def test_the_length_sweep_runs_each_arm_from_the_same_history(small_model: Path)
 
 
 def test_ask_json_says_full_cache_until(small_model: Path) -> None:
-    # an explicit τ: under gate "auto" a model the gate is not calibrated for runs the full cache at any length
-    # (tests/test_uncalibrated_model.py)
-    fast = ["--model", "smollm2-135m", "--max-tokens", "4", "--threads", "1", "--n-ctx", "1024", "--gate", "0"]
+    # an explicit τ and budget: under gate "auto" a model the gate is not calibrated for runs the full cache at any
+    # length (tests/test_uncalibrated_model.py), and so does budget "auto" on a model whose record certifies none
+    # (tests/test_risk.py)
+    fast = ["--model", "smollm2-135m", "--max-tokens", "4", "--threads", "1", "--n-ctx", "1024", "--gate", "0",
+            "--budget", "25%"]
     r = cli("ask", *fast, "--policy", "poisson", "--json", "hello")
     assert r.returncode == 0, r.stderr
     # the default evict_from, or the length at which the full cache could no longer take a turn

@@ -21,6 +21,9 @@ from tests.reliability_support import cli, one_line_error
     (["--seed", "-1"], "seed"),
     (["--n-ctx", "300"], "n_ctx"),
     (["--n-ctx", "590", "--max-tokens", "520"], "n_ctx"),
+    (["--risk", "0.05"], "risk"),
+    (["--risk", "100%"], "risk"),
+    (["--budget", "automatic"], "budget"),
 ])
 def test_bad_flags_are_refused_before_the_model_loads(flags: list[str], key: str) -> None:
     r = cli("ask", "--model", "smollm2-135m", *flags, "hello")

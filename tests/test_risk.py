@@ -183,6 +183,34 @@ def test_doctor_prints_the_budget_in_force_and_its_line(calibrated_for: Callable
     assert gate["budget_line"].startswith("25% · certified ≤ ")
 
 
+def test_replays_without_a_budget_run_what_the_chat_runs(calibrated_for: Callable[..., None],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from agent.lab import cli_replay
+
+    parser = argparse.ArgumentParser(prog="certchat")
+    cli_replay.register(parser.add_subparsers(dest="command"))
+    gated = ["full", "poisson+gate"]
+
+    def planned(*argv: str) -> tuple[list[str], list[str]]:
+        args = parser.parse_args(["replay", "s.jsonl", "--model", "smollm2-135m", *argv])
+        return cli_replay.chat_budgets(args, args.model, gated)
+
+    calibrated_for("smollm2-135m", certification=CERTIFIES.to_json())
+    assert planned() == (gated, ["25%"]), "the cheapest budget certified at the configured risk"
+    assert "25% · certified ≤ " in capsys.readouterr().err
+    assert planned("--budget", "10%,50%") == (gated, ["10%", "50%"]), "--budget as today"
+    calibrated_for("smollm2-135m", certification=NOTHING.to_json())
+    assert planned() == (["full"], []), "no budget certified: the full cache only, as the chat runs it"
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(certification.NO_BUDGET.format(model="smollm2-135m", risk="10%"))
+    # the demo's default is the same (its flags are the replay's)
+    args = parser.parse_args(["demo", "long", "--quick"])
+    assert args.budget is None
+    assert parser.parse_args(["demo", "recall30"]).budget == "10%", "recall30 stays a 10% demo"
+
+
 # -- end to end on the fast model --------------------------------------------------------------------------------------
 TURNS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø in 1987.",
          "Give me one short sentence about the sea.", "What is my locker code?"]

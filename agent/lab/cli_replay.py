@@ -91,6 +91,8 @@ def chat_budgets(args: argparse.Namespace, model: str | None, policies: list[str
 
     if args.budget is not None:
         return policies, runner.parse_budgets(args.budget)
+    if all(runner.base_policy(p) == "full" for p in policies):
+        return policies, []  # the full cache runs no budget
     cfg = _base_config(args)
     path = models.resolve(model or cfg.model)
     found = calibration.of_file(path)

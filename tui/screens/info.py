@@ -84,7 +84,10 @@ a command remapped onto one of those only works when the prompt is not focused.
 
 ## The memory panel (Ctrl+T)
 
-- **cells**: KV cells holding tokens now, of those allocated; the budget is marked `│`.
+- **cells**: KV cells holding tokens now, of those allocated; the budget is marked `│`. Under it, how
+  much the chat may forget: the budget in force and the loss it is certified at on the model's long
+  chats ("25% · certified ≤ 10% loss"), "not certified" for a budget of your own the model's record does
+  not certify, or "full cache" where budget "auto" certifies none at the risk (config `risk`).
 - **certificate per turn**: the error certificate of each answered turn; the `─` row is the
   gate threshold τ. A turn whose certificate reached τ re-read the evicted history from the log
   (marked `↻`, and noted in the chat as "re-read N tokens of history").
