@@ -958,6 +958,7 @@ class ChatSession:
             prefill_s=result.prefill_ms / 1000.0, decode_s=result.decode_ms / 1000.0,
             tokens_per_s=result.decode_tok_s, seed=self.config.seed,
             extra={"stop": result.stop, "logprob_mean": result.logprob_mean, "budget": self.config.budget,
+                   "budget_in_force": str(self.memory.budget) if self.memory.budget is not None else None,
                    "restored_tokens": result.restored_tokens, "gate": self.gate.history_record(),
                    **({"reread_path": result.reread_path, "reread_messages": result.reread_messages}
                       if result.reread_path else {}),

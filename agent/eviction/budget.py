@@ -513,13 +513,15 @@ class CacheManager:
     def keep_frame(self, needed: int) -> FrameShift | None:
         """When the next ``needed`` positions would run past the model's trained context, move the frame down
         (``Engine.shift_frame``) so that the next position lands near half of it: the sinks stay, the oldest kept
-        cells are packed behind them, the rest keep their distances. Only for a cache that evicts (a full cache
-        shifts its context when its cells run out, :meth:`shift_context`); None when nothing is due, the config
+        cells are packed behind them, the rest keep their distances. Only for a cache that evicts (a full cache,
+        a policy that does not apply at all among them, :attr:`full_reason`, shifts its context when its cells run
+        out, :meth:`shift_context`); None when nothing is due, the config
         says ``frame_shift = false`` or the model's RoPE cannot be followed."""
         engine = self.engine
         limit = engine.info.n_ctx_train
         if (not self.settings.frame_shift or limit <= 0 or engine.next_pos + needed <= limit
-                or not self.policy.evicts or engine.rope is None or not engine.ctx.can_shift()):
+                or not self.policy.evicts or self.full_reason is not None or engine.rope is None
+                or not engine.ctx.can_shift()):
             return None
         live = np.asarray(engine.cache.positions, dtype=np.int64)
         low = self._after_sinks(live)
