@@ -474,8 +474,9 @@ def _certify(args: argparse.Namespace, document: dict[str, Any], work: Path) -> 
 
     budgets = runner.parse_budgets(args.certify_budgets)
     if args.certify_from:
-        trials = certify.from_results(args.certify_from, budgets)
-        meta: dict[str, Any] = {"from_results": [str(p) for p in args.certify_from],
+        chats: list[dict[str, Any]] = []
+        trials = certify.from_results(args.certify_from, budgets, chats)
+        meta: dict[str, Any] = {"chats": chats, "from_results": [str(p) for p in args.certify_from],
                                 "command": command_line(getattr(args, "argv", None))}
     else:
         name = args.model or config_mod.load().model

@@ -199,16 +199,24 @@ def pair_all(scripts: Sequence[Any], budgets: Sequence[str], done: dict[Job, dic
                             for k, v in correct(done[Job(s.name, b)]).items()}) for b in budgets]
 
 
-def from_results(folders: Sequence[Path], budgets: Sequence[str] | None = None) -> list[Trial]:
+def from_results(folders: Sequence[Path], budgets: Sequence[str] | None = None,
+                 chats: list[dict[str, Any]] | None = None) -> list[Trial]:
     """Trials from results documents any replay wrote (``certchat replay``/``demo long`` with the full cache and
-    ``poisson+gate`` at budgets), pairing each chat's probes between its full run and each budget's run."""
+    ``poisson+gate`` at budgets), pairing each chat's probes between its full run and each budget's run; the chats
+    they replayed are added to ``chats`` when given."""
     from agent.lab.replay import aggregate  # noqa: PLC0415
 
     full: dict[tuple[str, int], bool] = {}
     by_budget: dict[str, dict[tuple[str, int], bool]] = {}
     for folder in folders:
         for f in aggregate.result_files([folder]):
-            for run_ in aggregate.read_results(f)["runs"]:
+            doc = aggregate.read_results(f)
+            for s in doc["meta"].get("scripts") or []:
+                if chats is not None and s.get("name") not in {c["name"] for c in chats}:
+                    tokens = (s.get("meta") or {}).get("tokens")
+                    chats.append({"name": s["name"], "kind": "locomo" if s["name"].startswith("locomo") else "long",
+                                  "tokens": tokens, "probes": s.get("probes")})
+            for run_ in doc["runs"]:
                 one = correct({"runs": [run_]})
                 if run_["policy"] == "full":
                     full.update(one)
