@@ -32,11 +32,23 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
+    from agent import config as config_mod  # noqa: PLC0415
     from agent import models  # noqa: PLC0415
+    from agent.gate import calibration, certification  # noqa: PLC0415
+
+    risk = config_mod.load().loss_risk
+
+    def setting(name: str) -> str:
+        found = calibration.for_model(models.REGISTRY[name].sha256)
+        if found is None or found.gate() is None:
+            rejected = found is not None and found.rejection() is not None
+            return f"full cache: its gate calibration was {'rejected' if rejected else 'never made'}"
+        return certification.setting_line(found.certification, risk, name)
 
     rows = [
         {"name": m.name, "present": models.is_pulled(m.name), "path": str(models.model_file(m.name)),
-         "size_mb": m.size_mb, "default": m.name == models.DEFAULT_MODEL, "description": m.description}
+         "size_mb": m.size_mb, "default": m.name == models.DEFAULT_MODEL, "description": m.description,
+         "risk": risk, "budget_auto": setting(m.name)}
         for m in models.REGISTRY.values()
     ]
     if args.json:
@@ -46,6 +58,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
         mark = "*" if row["default"] else " "
         state = "present   " if row["present"] else "not pulled"
         print(f"{mark} {row['name']:<20} {state} {row['size_mb']:>4} MB  {row['description']}")
+        print(f"  {'':<20} budget auto at risk {certification.percent(risk)}: {row['budget_auto']}")
     print("(* default; `certchat models pull NAME` installs one)")
     return 0
 
