@@ -140,3 +140,17 @@ def test_the_setting_line_names_the_budget_or_why_the_full_cache() -> None:
 @pytest.mark.parametrize("x,text", [(0.05, "5%"), (0.0515, "5.2%"), (0.231, "24%"), (0.1, "10%"), (0.025, "2.5%")])
 def test_shares_print_rounded_up(x: float, text: str) -> None:
     assert certification.percent(x) == text
+
+
+def test_independent_questions_after_the_same_turn_are_paired_one_by_one(tmp_path: Path) -> None:
+    def doc(policy: str, budget: str, answers: list[bool]) -> dict:
+        return {"script": "locomo-x", "policy": policy, "budget": budget,
+                "steps": [{"turn": 30, "lineno": 58 + i, "kind": "probe", "correct": ok, "independent": True}
+                          for i, ok in enumerate(answers)]}
+
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "results.json").write_text(json.dumps(
+        {"format": "certchat-replay-results", "version": 1, "meta": {},
+         "runs": [doc("full", "100%", [True, True, False]), doc("poisson+gate", "25%", [True, False, True])]}))
+    (t,) = certify.from_results([tmp_path / "r"])
+    assert (t.kept, t.lost, t.gained, t.neither) == (1, 1, 1, 0)

@@ -173,13 +173,17 @@ def _history_tokens(script: Any) -> int:
     return sum(len(st.user) + len(st.assistant or "") for st in script.steps) // 4
 
 
-def correct(doc: dict[str, Any]) -> dict[tuple[str, int], bool]:
-    """Each probe's right-or-wrong in a results document, keyed by (chat, turn)."""
-    return {(run["script"], int(s["turn"])): bool(s.get("correct"))
+Key = tuple[str, int, int]
+"""A probe: (chat, turn, line in its script). Independent questions share the turn they follow (LoCoMo's do)."""
+
+
+def correct(doc: dict[str, Any]) -> dict[Key, bool]:
+    """Each probe's right-or-wrong in a results document."""
+    return {(run["script"], int(s["turn"]), int(s.get("lineno") or 0)): bool(s.get("correct"))
             for run in doc["runs"] for s in run["steps"] if s.get("kind") == "probe"}
 
 
-def trial(budget: str, full: dict[tuple[str, int], bool], other: dict[tuple[str, int], bool]) -> Trial:
+def trial(budget: str, full: dict[Key, bool], other: dict[Key, bool]) -> Trial:
     """``budget``'s trial: the probes of each chat paired between the full run and the run at that budget."""
     by_chat: dict[str, dict[str, int]] = {}
     for chat in sorted({k[0] for k in other}):
@@ -192,7 +196,7 @@ def trial(budget: str, full: dict[tuple[str, int], bool], other: dict[tuple[str,
 
 def pair_all(scripts: Sequence[Any], budgets: Sequence[str], done: dict[Job, dict[str, Any]]) -> list[Trial]:
     """One trial per budget from the runs of :func:`run`."""
-    full: dict[tuple[str, int], bool] = {}
+    full: dict[Key, bool] = {}
     for s in scripts:
         full.update(correct(done[Job(s.name, None)]) if Job(s.name, None) in done else {})
     return [trial(b, full, {k: v for s in scripts if Job(s.name, b) in done
@@ -206,8 +210,8 @@ def from_results(folders: Sequence[Path], budgets: Sequence[str] | None = None,
     they replayed are added to ``chats`` when given."""
     from agent.lab.replay import aggregate  # noqa: PLC0415
 
-    full: dict[tuple[str, int], bool] = {}
-    by_budget: dict[str, dict[tuple[str, int], bool]] = {}
+    full: dict[Key, bool] = {}
+    by_budget: dict[str, dict[Key, bool]] = {}
     for folder in folders:
         for f in aggregate.result_files([folder]):
             doc = aggregate.read_results(f)
