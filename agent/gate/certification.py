@@ -186,10 +186,12 @@ def choose(trials: Sequence[Trial], risk: float, model: str, confidence: float =
     return Choice(best[1], best[2])
 
 
-def percent(x: float) -> str:
-    """A share as the user would write it (5%, 2.5%, 24%), rounded up, so a printed bound never understates it."""
+def percent(x: float, up: bool = True) -> str:
+    """A share as the user would write it (5%, 2.5%, 24%): rounded up unless ``up`` is false, so a printed bound
+    never understates it."""
     v = x * 100
-    rounded = math.ceil(v * 10 - 1e-9) / 10 if v < 10 else math.ceil(v - 1e-9)
+    step = 10 if v < 10 else 1
+    rounded = (math.ceil(v * step - 1e-9) if up else round(v * step)) / step
     return f"{rounded:g}%"
 
 

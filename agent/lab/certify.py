@@ -62,8 +62,8 @@ def _say(text: str) -> None:
 
 
 def chats(model: str, work: Path, quick: bool = False) -> list[Any]:
-    """The calibration chats: the generated long chats (written once into ``work/scripts`` and read back from
-    there on a resumed run) and the LoCoMo conversations."""
+    """The calibration chats: the generated long chats (the committed fixtures; a missing one is generated once into
+    ``work/scripts`` and read back from there on a resumed run) and the LoCoMo conversations."""
     from agent.lab.replay import locomo, longchat  # noqa: PLC0415
 
     scripts: list[Any] = []
@@ -72,7 +72,9 @@ def chats(model: str, work: Path, quick: bool = False) -> list[Any]:
     counter = None
     try:
         for size, seed, probes in wanted:
-            path = folder / f"longchat-{size}-seed{seed:02d}.jsonl"
+            path = longchat.fixture_path(size, seed)  # committed: every certification replays the same chat
+            if not path.exists():
+                path = folder / path.name
             if not path.exists():
                 counter = counter or longchat.counter_for(model)
                 s = longchat.generate(seed, longchat.parse_size(size), counter, longchat.source_files(None),
@@ -219,7 +221,8 @@ def from_results(folders: Sequence[Path], budgets: Sequence[str] | None = None,
                 if chats is not None and s.get("name") not in {c["name"] for c in chats}:
                     tokens = (s.get("meta") or {}).get("tokens")
                     chats.append({"name": s["name"], "kind": "locomo" if s["name"].startswith("locomo") else "long",
-                                  "tokens": tokens, "probes": s.get("probes")})
+                                  "tokens": tokens, "probes": s.get("probes"),
+                                  "replayed_by": doc["meta"].get("command"), "commit": doc["meta"].get("commit")})
             for run_ in doc["runs"]:
                 one = correct({"runs": [run_]})
                 if run_["policy"] == "full":
@@ -246,7 +249,7 @@ def summary(cert: dict[str, Any], model: str, risk: float) -> str:
              f"({cert['confidence']:.0%} confidence, {cert['bound']})"]
     for row in cert["budgets"]:
         risk_text = "—" if row["certified_risk"] is None else f"≤ {certification.percent(row['certified_risk'])}"
-        loss = "—" if row["loss"] is None else certification.percent(row["loss"])
+        loss = "—" if row["loss"] is None else certification.percent(row["loss"], up=False)
         lines.append(f"  {row['budget']}: lost {row['lost']} of the full cache's {row['n']} right answers "
                      f"({loss}; gained {row['gained']}), bound {certification.percent(row['bound'])}, "
                      f"certified risk {risk_text}")
