@@ -154,3 +154,45 @@ def test_independent_questions_after_the_same_turn_are_paired_one_by_one(tmp_pat
          "runs": [doc("full", "100%", [True, True, False]), doc("poisson+gate", "25%", [True, False, True])]}))
     (t,) = certify.from_results([tmp_path / "r"])
     assert (t.kept, t.lost, t.gained, t.neither) == (1, 1, 1, 0)
+
+
+def test_an_interrupted_certification_resumes_without_replaying_finished_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent import models
+    from agent.lab.replay import longdemo
+    from agent.lab.replay.script import Probe, Script, Step
+
+    scripts = [Script(name, "", (Step(1, "I have a cat called Tom.", 1, "Nice."),
+                                 Step(2, "What is my cat called?", 2, probe=Probe(("Tom",), fact_turn=1))))
+               for name in ("chat-a", "chat-b")]
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setattr(certify, "chats", lambda *_a, **_k: scripts)
+    monkeypatch.setattr(models, "resolve", lambda _name: model)
+    monkeypatch.setattr(models, "gguf_sha256", lambda _path: "sha")
+    calls: list[tuple[str, str]] = []
+
+    def replay(chat: list[Script], settings: object, _base: object, log: object = None) -> dict:
+        budget = settings.budgets[0]  # type: ignore[attr-defined]
+        calls.append((chat[0].name, budget))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the user stops it during the third run
+        right = budget != "25%" or chat[0].name == "chat-a"
+        doc = {"format": "certchat-replay-results", "version": 1, "meta": {"model_sha256": "sha"},
+               "runs": [{"script": chat[0].name, "policy": settings.policies[0], "budget": budget,  # type: ignore
+                         "steps": [{"turn": 2, "lineno": 2, "kind": "probe", "correct": right}]}]}
+        out = settings.out  # type: ignore[attr-defined]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(doc))
+        return doc
+
+    monkeypatch.setattr(longdemo, "run", replay)
+    with pytest.raises(KeyboardInterrupt):
+        certify.run("m", tmp_path / "work", ["25%"], progress=False)
+    assert calls == [("chat-a", "100%"), ("chat-b", "100%"), ("chat-a", "25%")]
+    calls.clear()
+    trials, meta = certify.run("m", tmp_path / "work", ["25%"], progress=False)
+    assert calls == [("chat-a", "25%"), ("chat-b", "25%")]  # the two full runs were not redone
+    (t,) = trials
+    assert (t.kept, t.lost) == (1, 1) and t.by_chat["chat-b"]["lost"] == 1
+    assert [c["name"] for c in meta["chats"]] == ["chat-a", "chat-b"]
