@@ -121,7 +121,8 @@ def chat_of_script(s: script.Script, family: str, evidence: Sequence[Sequence[st
 def locomo_chats(path: Path, options: locomo.Options) -> list[Chat]:
     out = []
     for (name, sample), s in zip(locomo.samples(path), locomo.load(path, options)):
-        out.append(chat_of_script(s, "locomo", locomo.evidence_lines(sample, options)))
+        family = "locomo" if options.max_sessions else "locomo-all"
+        out.append(chat_of_script(s, family, locomo.evidence_lines(sample, options)))
     return out
 
 
@@ -468,7 +469,8 @@ def rank_chat(chat: Chat, signals: Sequence[Signal], recent: int, costs: Costs) 
 
 # -- the report -------------------------------------------------------------------------------------------------------
 
-FAMILY_TITLES = {"long": "16k long chats", "locomo": "LoCoMo", "varied": "varied recall (held out)"}
+FAMILY_TITLES = {"long": "long chats", "locomo": "LoCoMo, first sessions", "locomo-all": "LoCoMo, whole conversations",
+                 "varied": "varied recall (held out)"}
 
 
 def _pct(x: float) -> str:
