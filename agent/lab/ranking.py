@@ -77,6 +77,8 @@ class Case:
     category: str | None
     history: int
     facts: tuple[int, ...]
+    distance: int | None = None
+    """Turns from the fact to the question."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def chat_of_script(s: script.Script, family: str, evidence: Sequence[Sequence[st
                 facts = () if fact is None else (fact,)
             m = _LOCOMO_QUESTION.match(step.user)
             cases.append(Case(s.name, step.turn, m.group(1) if m else step.user, step.probe.category, len(messages),
-                              facts))
+                              facts, step.distance))
         if step.independent:
             continue
         user_at[step.turn] = len(messages)
@@ -418,6 +420,7 @@ class Row:
     category: str | None
     candidates: int
     facts: list[int]
+    distance: int | None
     ranks: dict[str, int | None] = field(default_factory=dict)
 
 
@@ -449,7 +452,7 @@ def rank_chat(chat: Chat, signals: Sequence[Signal], recent: int, costs: Costs) 
     rows = []
     for case in chat.cases:
         cands = candidates(case.history, recent)
-        row = Row(chat.family, chat.name, case.turn, case.category, len(cands), list(case.facts))
+        row = Row(chat.family, chat.name, case.turn, case.category, len(cands), list(case.facts), case.distance)
         rows.append(row)
         got: dict[str, tuple[np.ndarray, float]] = {}
         for sig in signals:
