@@ -94,7 +94,8 @@ def test_eviction_starts_before_the_full_cache_fills_the_context(engine: Engine,
     while engine.next_pos < 2048 - 256:
         r = drive.forced(s, FACT, "Noted.", on_event=seen.append)
     assert r.live_cells < engine.next_pos and s.memory_view().full_cache_until is None
-    assert not [e for e in seen if isinstance(e, ev.Notice)], "no truncated re-read"
+    # (the one notice said is the explicit budget's: smollm2's record certifies none, tests/test_risk.py)
+    assert not [e for e in seen if isinstance(e, ev.Notice) and e.text != s.budget_notice], "no truncated re-read"
 
 
 def test_a_reopened_long_conversation_evicts_by_its_next_turn(engine: Engine, tmp_path: Path) -> None:
