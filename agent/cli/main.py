@@ -39,11 +39,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     risk = config_mod.load().loss_risk
 
     def setting(name: str) -> str:
-        found = calibration.for_model(models.REGISTRY[name].sha256)
-        if found is None or found.gate() is None:
-            rejected = found is not None and found.rejection() is not None
-            return f"full cache: its gate calibration was {'rejected' if rejected else 'never made'}"
-        return certification.setting_line(found.certification, risk, name)
+        return calibration.setting_line(calibration.for_model(models.REGISTRY[name].sha256), risk, name)
 
     rows = [
         {"name": m.name, "present": models.is_pulled(m.name), "path": str(models.model_file(m.name)),

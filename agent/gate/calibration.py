@@ -38,7 +38,7 @@ import numpy as np
 
 from agent import models, paths
 from agent.config import DEFAULT_EVICT_AT, Budget
-from agent.gate import certificate, signals
+from agent.gate import certificate, certification, signals
 from agent.gate.certificate import CertificateForm, Component
 from agent.gate.certification import Certification
 
@@ -337,6 +337,15 @@ def full_cache_reason(model: ModelCalibration | None, evict_at: str = DEFAULT_EV
         return None
     why = model.rejection(evict_at) if model is not None else None
     return REJECTED.format(why=why) if why else UNCALIBRATED
+
+
+def setting_line(found: ModelCalibration | None, risk: float, model: str) -> str:
+    """What ``budget = "auto"`` runs for a model at ``risk``, in one line, from its calibration ``found``: the gate's
+    absence or rejection first (no gate, no eviction), else its certification's line."""
+    if found is None or found.gate() is None:
+        rejected = found is not None and found.rejection() is not None
+        return "full cache: its gate calibration was rejected" if rejected else "full cache: no gate calibration"
+    return certification.setting_line(found.certification, risk, model)
 
 
 def covers(model_sha256: str | None, evict_at: str = DEFAULT_EVICT_AT) -> bool:
