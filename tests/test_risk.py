@@ -181,6 +181,9 @@ def test_doctor_prints_the_budget_in_force_and_its_line(calibrated_for: Callable
     assert gate["budget_in_force"] == "25%" and gate["certified_risk"] == pytest.approx(
         CERTIFIES.certified_risk("25%"))
     assert gate["budget_line"].startswith("25% · certified ≤ ")
+    assert [(c["budget"], c["lost"], c["n"]) for c in gate["certified"]] == [("50%", 0, 100), ("25%", 1, 100),
+                                                                             ("10%", 30, 100)]
+    assert "certified         : on long chats, 50% lost 0 of 100 (≤ 3%)" in doctor.render(doctor.report())
 
 
 def test_replays_without_a_budget_run_what_the_chat_runs(calibrated_for: Callable[..., None],

@@ -13,7 +13,7 @@ from agent import models, paths
 from agent.chat.saved_state import SavedStates, state_dir
 from agent.eviction import budget as budget_mod
 from agent.eviction import policies
-from agent.gate import calibration
+from agent.gate import calibration, certification
 from memory_store.locking import LOCK_SUFFIX
 from native import llama, patched, runtime
 
@@ -118,7 +118,18 @@ def gate_report() -> dict[str, Any]:
             "budget": cfg.budget, "risk": cfg.risk,
             "budget_in_force": str(in_force.budget) if in_force.budget is not None and not held else None,
             "certified_risk": in_force.certified_risk if in_force.budget is not None and not held else None,
-            "budget_line": None if held or not evicts else in_force.reason or in_force.notice or in_force.words()}
+            "budget_line": None if held or not evicts else in_force.reason or in_force.notice or in_force.words(),
+            "certified": _certified(found)}
+
+
+def _certified(found: calibration.ModelCalibration | None) -> list[dict[str, Any]] | None:
+    """Each budget the model's record measured on long chats: its loss and the risk it is certified at."""
+    cert = found.certification if found is not None else None
+    if cert is None:
+        return None
+    risks = certification.certified_risks(cert.trials, cert.confidence, cert.min_probes)
+    return [{"budget": t.budget, "lost": t.lost, "n": t.n, "certified_risk": risks[t.budget]}
+            for t in sorted(cert.trials, key=lambda t: -t.share)]
 
 
 def render(data: dict[str, Any]) -> str:
@@ -168,4 +179,9 @@ def _gate_line(gate: dict[str, Any]) -> str:
     line += f"\n  {gate['note']}" if gate.get("note") else ""
     if gate.get("budget_line"):
         line += f"\nbudget            : {gate.get('budget')} at risk {gate.get('risk')}: {gate['budget_line']}"
+    if gate.get("certified"):
+        rows = ", ".join(f"{c['budget']} lost {c['lost']} of {c['n']}"
+                         + ("" if c["certified_risk"] is None else f" (≤ {certification.percent(c['certified_risk'])})")
+                         for c in gate["certified"])
+        line += f"\ncertified         : on long chats, {rows}; risk at or above a budget's bound certifies it"
     return line
