@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
             "(best of its evidence messages on LoCoMo); ties newest first. Costs: mean seconds per probe turn "
             "(dense: the question's own decode), per chat (dense: every message embedded).\n\n"
             + table(rows, names, costs, chats)
-            + f"\nModels: {models}. {_machine_line()}.\n\n`{command}`\n")
+            + f"\n`{command}` — models: {models}; {_machine_line()}\n")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(text, encoding="utf-8")
     doc = {"command": command, "models": [{"name": d.model, "sha256": d.sha} for d in dense],
