@@ -154,6 +154,12 @@ class Config:
     evicted longest ago go first, and re-reads decode messages again (the targeted path); a reopened chat starts
     with none (saved states do not carry them). The log stays the source of truth: a row is used only where its
     token is the log's. 0: keep none."""
+    restore: int = 0
+    """Evicted messages brought back before each question is read, ranked by the words the question shares with them
+    (BM25 over the messages the engine's evicted rows can put back whole, agent/gate/restore.py): the best this many,
+    within ``reread_budget`` evicted tokens, are copied back at their old positions, the question is fed once over
+    them, and they leave again at the turn's end. A copy, no decode; the gate stays the fallback for what words do not
+    find. Needs ``evicted_rows_mb``. 0: off (the default until it is measured to pay on the yardstick)."""
     gate_second: str = "auto"
     """A second, independent signal that fires the gate where its statistic stays under the bar: "auto" uses the one
     the model's gate calibration carries, if any (record field ``second``, fitted by ``python -m agent.lab.gate_lab
@@ -290,6 +296,8 @@ class Config:
             raise ConfigError(f"gate_second: expected \"auto\" or \"off\", got {self.gate_second!r}")
         if self.copy_back not in ("auto", "all", "named"):
             raise ConfigError(f"copy_back: expected \"auto\", \"all\" or \"named\", got {self.copy_back!r}")
+        if isinstance(self.restore, bool) or not isinstance(self.restore, int) or self.restore < 0:
+            raise ConfigError(f"restore: must be 0 (off) or a number of messages, got {self.restore!r}")
         if self.reread_budget < 0:
             raise ConfigError(f"reread_budget: must be 0 or more tokens (0 = always re-read the whole history), "
                               f"got {self.reread_budget}")

@@ -40,7 +40,7 @@ from agent.chat import resume
 from agent.chat.saved_state import SavedStates, StateError
 from agent.config import Config
 from agent.eviction.budget import CacheManager, EvictionReport
-from agent.gate import calibration
+from agent.gate import calibration, restore
 from agent.gate.decision import WHOLE_REREAD_FACTOR, Gate, GateDecision, ReadPlan, TargetedRead
 from agent.llm.engine import Engine, EngineSettings, Generation
 from agent.llm.template import ChatTemplate, strip_bos
@@ -108,6 +108,8 @@ class Turn:
     """Ids of the logged messages the re-read brought back (restored from a copy or prefilled)."""
     reread_indices: tuple[int, ...] = ()
     """A targeted re-read: the indices of the messages it brought back (the memory panel marks their turns)."""
+    restore_indices: tuple[int, ...] = ()
+    """The evicted messages brought back before the question by the words it shares with them (config ``restore``)."""
     generation: Generation | None = None
     answer_id: int | None = None
 
@@ -375,7 +377,8 @@ class ChatSession:
             certificate_detail=self.gate.turn.detail(), gate_threshold=self.gate.threshold(),
             gate_fired=turn.gate_fired, reprefill_tokens=turn.reprefill_tokens,
             restored_tokens=turn.restored_tokens, reread_path=turn.reread_path,
-            reread_messages=list(turn.reread_messages), prefill_ms=turn.prefill_ms, decode_ms=gen.decode_ms,
+            reread_messages=list(turn.reread_messages), restore_indices=list(turn.restore_indices),
+            prefill_ms=turn.prefill_ms, decode_ms=gen.decode_ms,
             decode_tok_s=gen.tok_per_s, answer_tokens=len(gen.tokens),
             logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None, timings=clock.ms,
         )
@@ -478,6 +481,7 @@ class ChatSession:
         sampled = self.memory.policy.sampled
         self.memory.set_readout(True)
         try:
+            self._restore(turn)
             turn.prefill_ms = self.engine.feed(tokens[:len(tokens) - held], segment=index, cancel=cancel)
             with clock("certificate"):
                 reading = self.memory.after_prefill()
@@ -497,6 +501,30 @@ class ChatSession:
             self._abandon(turn, "prefill")
             raise
         on_event(ev.Prefilled(len(tokens), turn.prefill_ms))
+
+    def _restore(self, turn: Turn) -> None:
+        """Copy back the evicted messages the question shares the most words with (config ``restore``), before the
+        question is fed, so it is read once, over them (agent/gate/restore.py); they leave at the turn's end."""
+        if (self.config.restore <= 0 or self.config.evict_at != "turn-end" or self.engine.rows is None
+                or not self.memory.evicting()):
+            return
+        history = self.store.history(self.conversation_id)
+        logged = {m.index: m for m in _readable(history.messages, turn.user.id)}
+        candidates = restore.evicted(self.engine, logged)
+        if not candidates:
+            return
+        plan = restore.plan(turn.user.content, logged, self._texts(candidates), self.engine, self.config.restore,
+                            self.config.reread_budget)
+        if plan is None:
+            return
+        every = [([int(t) for t in message.tokens[p0 - first:p1 - first]], p0, message.index)
+                 for message, first, runs in plan.messages for p0, p1 in runs]
+        if self.engine.copy_back(every):
+            # as after a targeted re-read: the biases of the sampled stand-ins would drown the exact cells that
+            # came back; they return with the turn-end eviction
+            self.engine.lift_biases()
+            turn.restored_tokens += plan.tokens
+            turn.restore_indices = tuple(plan.indices)
 
     def _requestion(self, turn: Turn) -> None:
         """Re-decode the question's last tokens on the evicted cache to certify that cache (only when the

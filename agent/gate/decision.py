@@ -238,7 +238,7 @@ class TargetedRead:
         return [m.index for m, _, _ in self.messages] + [m.index for m in self.fresh]
 
 
-def _fed_span(engine: "Engine", index: int, message: Any) -> tuple[int, int] | None:
+def fed_span(engine: "Engine", index: int, message: Any) -> tuple[int, int] | None:
     """Where the engine fed logged message ``index``, when the log's tokens for it fill exactly that span."""
     span = engine.cache.spans.get(index)
     if message is None or span is None or message.tokens is None or len(message.tokens) != span[1] - span[0]:
@@ -712,7 +712,7 @@ class Gate:
         implicated = sum(self.turn.excess.get(i, 0.0) for i in chosen)
         covered = 0.0
         for index in chosen:
-            message, span = logged.get(index), _fed_span(engine, index, logged.get(index))
+            message, span = logged.get(index), fed_span(engine, index, logged.get(index))
             if message is not None and message.tokens is not None and index in engine.homeless:
                 # its positions were packed away by a frame shift: it comes back whole, at fresh positions
                 if len(message.tokens) > room:
@@ -770,7 +770,7 @@ class Gate:
             runs = engine.evicted_runs(index)
             if not runs:
                 continue
-            span = _fed_span(engine, index, message)
+            span = fed_span(engine, index, message)
             if span is None:
                 return None
             toks = [int(t) for t in message.tokens]
