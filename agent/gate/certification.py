@@ -37,8 +37,7 @@ MIN_PROBES = 30
 whatever the bound (30 losses-free probes bound the loss at 9.5%)."""
 NO_BUDGET = "{model}: no budget keeps the loss under {risk} on long chats — full cache"
 """Why a model keeps its full cache under ``budget = "auto"`` when its record certifies no budget at the risk."""
-NOT_CERTIFIED = ("{model}: not certified on long chats (its record predates `certchat calibrate`'s certification) "
-                 "— full cache")
+NOT_CERTIFIED = "{model}: no budget certified on long chats (`certchat calibrate` certifies them) — full cache"
 """Why a model keeps its full cache under ``budget = "auto"`` when its record has no certification."""
 UNCERTIFIED_BUDGET = "{model}: budget {budget} is not certified on long chats ({detail})"
 """The one line an explicit budget gets when the model's record does not certify it at the risk."""
