@@ -15,9 +15,8 @@ may be the assistant's), the best-ranked counting. A probe whose fact is not a c
 **Ranks.** Higher score first; equal scores newest first, so a signal that says nothing (BM25 with no word in
 common) falls back to the baseline rather than to chance. ``random`` is the expected recall of a uniform draw.
 
-**BM25** is written here (k1 1.2, b 0.75) rather than read from the log's FTS5 table: that table matches every word
-of a query where a ranking needs any, its IDF is over every conversation in the log rather than the evicted set,
-and its tokenizer keeps stopwords; a few hundred candidates score in about a millisecond in plain Python.
+**BM25** is the product's (agent/gate/lexical.py, k1 1.2, b 0.75: what ``restore`` ranks by), IDF over the
+candidates.
 
 **Dense** is the chat model's own mean-pooled last hidden states (``native.embedder``), cosine to the question; a
 vector is cached per (model sha256, text) under ``--cache`` with the seconds it took, so a rerun reports what the
@@ -42,20 +41,12 @@ from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
+from agent.gate.lexical import bm25_scores, words
 from agent.lab.replay import locomo, script
 
 RECENT = 4
 KS = (1, 3, 5)
 RRF_K = 60
-STOPWORDS = frozenset("""
-a about above after again against all am an and any are as at be because been before being below between both but by
-can could did do does doing down during each few for from further had has have having he her here hers herself him
-himself his how i if in into is it its itself just me more most my myself no nor not now of off on once only or other
-our ours ourselves out over own same she should so some such than that the their theirs them themselves then there
-these they this those through to too under until up very was we were what when where which while who whom why will
-with would you your yours yourself yourselves s t d ll m re ve don didn doesn isn wasn
-""".split())
-_WORD = re.compile(r"[a-z0-9]+")
 _LOCOMO_QUESTION = re.compile(r"^Question about our conversation: (.*) Answer with a short phrase\.$", re.S)
 
 
@@ -129,29 +120,6 @@ def locomo_chats(path: Path, options: locomo.Options) -> list[Chat]:
 
 
 # -- pure scorers -----------------------------------------------------------------------------------------------------
-
-def words(text: str) -> list[str]:
-    """Lowercase alphanumeric words, stopwords out."""
-    return [w for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
-
-
-def bm25_scores(query: Sequence[str], docs: Sequence[Counter[str]], k1: float = 1.2, b: float = 0.75) -> np.ndarray:
-    """Okapi BM25 of ``query`` against each document's word counts, IDF over ``docs`` (Lucene's, never negative)."""
-    n = len(docs)
-    out = np.zeros(n)
-    if n == 0:
-        return out
-    lengths = np.array([sum(d.values()) for d in docs], dtype=float)
-    avg = float(lengths.mean()) or 1.0
-    for term in set(query):
-        df = sum(1 for d in docs if term in d)
-        if df == 0:
-            continue
-        idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
-        tf = np.array([d.get(term, 0) for d in docs], dtype=float)
-        out += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths / avg))
-    return out
-
 
 def recency_scores(cands: Sequence[int]) -> np.ndarray:
     return np.asarray(cands, dtype=float)
