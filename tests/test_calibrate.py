@@ -48,7 +48,7 @@ def test_calibrate_writes_the_record_the_gate_then_reads(small_model: Path, tmp_
 
     done = cli("calibrate", "smollm2-135m", "--scripts", str(_tiny_script(tmp_path)), "--budget", "48",
                "--threads", "2", "--max-tokens", "8", "--min-probe-rate", "0", "--out", str(tmp_path / "work"),
-               "--no-progress", timeout=600)
+               "--no-progress", "--no-certify", timeout=600)
     assert done.returncode == 0, done.stderr
     path = calibration.record_path(SMOLLM)
     assert str(path) in done.stdout and "smollm2-135m: calibrated" in done.stdout
@@ -60,6 +60,7 @@ def test_calibrate_writes_the_record_the_gate_then_reads(small_model: Path, tmp_
     assert gate["statistic"] == "sketch.max" and gate["tau"] > 0 and gate["accepted"]
     assert gate["in_sample"]["n_probes"] == 3 and gate["in_sample"]["n_fillers"] > 0
     assert "turn_index" in gate["separation"], "the separation is reported beside the turn-index baseline"
+    assert "certification" not in record, "--no-certify fits the gate only"
     layers = tuple(gate["sketch"]["layers"])
     assert 1 <= len(layers) <= 2 and set(layers) <= set(gate["sketch"]["recorded"])
     by_rounds = {row["rounds"]: row for row in record["multipliers"]}

@@ -14,7 +14,7 @@ from agent.chat.session import ChatSession
 from agent.config import Config, ConfigError
 from agent.gate import lexical, restore
 from agent.lab.replay import drive
-from agent.llm.engine import Engine, EngineSettings
+from agent.llm.engine import Engine
 from memory_store.store import Store
 
 
@@ -44,24 +44,17 @@ def test_a_bad_restore_names_the_key(value: object) -> None:
     assert str(err.value).startswith("restore:") and "\n" not in str(err.value)
 
 
-@pytest.fixture(scope="module")
-def small(small_model: Path):
-    eng = Engine(EngineSettings(model_path=small_model, n_ctx=2048, n_batch=256, threads=2))
-    yield eng
-    eng.close()
-
-
 FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born in Tromsø in 1987."]
 FILLERS = [f"Give me one short sentence about the number {i}." for i in range(12)]
 
 
-def _chat(small: Engine, tmp_path: Path, restore_messages: int) -> ChatSession:
+def _chat(engine: Engine, tmp_path: Path, restore_messages: int) -> ChatSession:
     """FACTS then FILLERS, answers forced, evicted to 64 cells from the first turn, rows kept, a gate that never
     fires (a fixed bar out of reach), so only the restore brings anything back."""
     cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=4,
                  gate="1000000", page_size=4, seed=3, sketch_layers="10,20", evicted_rows_mb=64,
                  restore=restore_messages)
-    s = ChatSession(cfg, Store(tmp_path / "log.db"), small, "smollm2-135m")
+    s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in FACTS + FILLERS:
         drive.forced(s, text, "Noted.")
     return s
@@ -71,9 +64,9 @@ def _index_of(s: ChatSession, text: str) -> int:
     return next(m.index for m in s.store.messages(s.conversation_id) if m.content == text)
 
 
-def test_a_question_brings_back_the_evicted_message_it_shares_words_with_then_it_leaves(small: Engine,
+def test_a_question_brings_back_the_evicted_message_it_shares_words_with_then_it_leaves(engine: Engine,
                                                                                       tmp_path: Path) -> None:
-    s = _chat(small, tmp_path, restore_messages=2)
+    s = _chat(engine, tmp_path, restore_messages=2)
     locker = _index_of(s, FACTS[0])
     evicted_before = s.engine.evicted_runs(locker)
     assert evicted_before, "the fixture must have evicted the locker message"
@@ -85,14 +78,14 @@ def test_a_question_brings_back_the_evicted_message_it_shares_words_with_then_it
     assert s.engine.evicted_runs(locker) and np.all(np.diff(s.engine.cache.positions) > 0)
 
 
-def test_a_turn_that_shares_no_word_with_an_evicted_message_brings_nothing_back(small: Engine,
+def test_a_turn_that_shares_no_word_with_an_evicted_message_brings_nothing_back(engine: Engine,
                                                                                 tmp_path: Path) -> None:
-    s = _chat(small, tmp_path, restore_messages=2)
+    s = _chat(engine, tmp_path, restore_messages=2)
     result = s.send("Thanks, that helps!")
     assert result.restore_indices == [] and result.restored_tokens == 0
 
 
-def test_restore_off_brings_nothing_back(small: Engine, tmp_path: Path) -> None:
-    s = _chat(small, tmp_path, restore_messages=0)
+def test_restore_off_brings_nothing_back(engine: Engine, tmp_path: Path) -> None:
+    s = _chat(engine, tmp_path, restore_messages=0)
     result = s.send("What is my locker code?")
     assert result.restore_indices == [] and result.restored_tokens == 0

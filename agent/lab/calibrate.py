@@ -526,7 +526,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     document = calibrate(args)
     path = calibration.write_model(document, _destination(document, args.ship))
     print(summary(document, path))
-    if args.certify and document["calibrations"][0]["accepted"]:
+    if args.certify and not args.from_results and document["calibrations"][0]["accepted"]:
         # the replays run under the gate just written, as the chat will
         work = (args.out or paths.cache_dir() / "calibrate" / document["model_sha256"][:16]) / "certify"
         document = _certify(args, document, work)
@@ -559,7 +559,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the package's record (agent/gate/calibrations/NAME.json) for a registry model")
     p.add_argument("--no-certify", action="store_false", dest="certify",
                    help="fit the gate only: no long-chat certification (the model then keeps its full cache under "
-                        "budget = auto)")
+                        "budget = auto); a refit --from-results never certifies")
     p.add_argument("--certify-only", action="store_true", dest="certify_only",
                    help="certify the gate the model has now on the long chats, without refitting it")
     p.add_argument("--certify-budgets", default=",".join(certify.BUDGETS), dest="certify_budgets",
