@@ -45,9 +45,10 @@ def spawn(*args: str, stdin: int | None = subprocess.DEVNULL) -> subprocess.Pope
 
 
 def one_line_error(stderr: str, *needles: str) -> str:
-    """The single error line a failed command printed (no traceback), checked to contain ``needles``."""
+    """The single error line a failed command printed (no traceback), checked to contain ``needles``. A
+    ``[warning]`` line about the settings the command ran with (an uncertified budget's notice) is not the error."""
     assert "Traceback" not in stderr, stderr
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("[warning] ")]
     assert len(lines) == 1, stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
