@@ -513,13 +513,9 @@ class ChatSession:
         candidates = restore.evicted(self.engine, logged)
         if not candidates:
             return
-        plan = restore.plan(turn.user.content, logged, self._texts(candidates), self.engine, self.config.restore,
-                            self.config.reread_budget)
-        if plan is None:
-            return
-        every = [([int(t) for t in message.tokens[p0 - first:p1 - first]], p0, message.index)
-                 for message, first, runs in plan.messages for p0, p1 in runs]
-        if self.engine.copy_back(every):
+        plan = restore.plan(turn.user.content, candidates, self._texts(list(candidates)), self.engine,
+                            self.config.restore, self.config.reread_budget)
+        if plan is not None and self.engine.copy_back(plan.runs()):
             # as after a targeted re-read: the biases of the sampled stand-ins would drown the exact cells that
             # came back; they return with the turn-end eviction
             self.engine.lift_biases()
@@ -777,8 +773,7 @@ class ChatSession:
         with self._undone_if_cancelled(cancel):
             self.engine.truncate(turn.first_pos + kept)
             on_event(ev.Rereading(0, total))
-            every = [([int(t) for t in message.tokens[p0 - first:p1 - first]], p0, message.index)
-                     for message, first, runs in target.messages for p0, p1 in runs]
+            every = target.runs()
             if self.engine.copy_back(every):
                 on_event(ev.Rereading(target.tokens, total))
             else:

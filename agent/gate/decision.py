@@ -237,6 +237,24 @@ class TargetedRead:
     def indices(self) -> list[int]:
         return [m.index for m, _, _ in self.messages] + [m.index for m in self.fresh]
 
+    def runs(self) -> list[tuple[list[int], int, int]]:
+        """Each evicted run to put back: (the log's tokens of it, its first position, its message's index), what
+        ``Engine.copy_back`` and ``Engine.reinsert`` take."""
+        return [([int(t) for t in message.tokens[p0 - first:p1 - first]], p0, message.index)
+                for message, first, runs in self.messages for p0, p1 in runs]
+
+
+def copyable(engine: "Engine", index: int, message: Any, runs: list[tuple[int, int]]) -> int | None:
+    """The first position of logged message ``index`` when the engine's evicted rows hold every one of its evicted
+    ``runs`` for the log's tokens (a copy puts it back whole); None where the rows or the log disagree."""
+    span = fed_span(engine, index, message)
+    if engine.rows is None or span is None:
+        return None
+    toks = [int(t) for t in message.tokens]
+    if not all(engine.rows.covers(p0, toks[p0 - span[0]:p1 - span[0]]) for p0, p1 in runs):
+        return None
+    return span[0]
+
 
 def fed_span(engine: "Engine", index: int, message: Any) -> tuple[int, int] | None:
     """Where the engine fed logged message ``index``, when the log's tokens for it fill exactly that span."""
@@ -759,8 +777,7 @@ class Gate:
         After a frame shift the messages it packed away have no place to be copied to: the copy holds every other
         message, and those of them the firing ``decision`` names (as :meth:`plan_targeted` would) are fed whole at
         fresh positions, within ``reread_budget``."""
-        rows = engine.rows
-        if rows is None:
+        if engine.rows is None:
             return None
         plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
         need = 0
@@ -770,14 +787,11 @@ class Gate:
             runs = engine.evicted_runs(index)
             if not runs:
                 continue
-            span = fed_span(engine, index, message)
-            if span is None:
-                return None
-            toks = [int(t) for t in message.tokens]
-            if not all(rows.covers(p0, toks[p0 - span[0]:p1 - span[0]]) for p0, p1 in runs):
+            first = copyable(engine, index, message, runs)
+            if first is None:
                 return None
             need += sum(p1 - p0 for p0, p1 in runs)
-            plan.append((message, span[0], runs))
+            plan.append((message, first, runs))
         if not plan or need > free_cells or (most is not None and need > most):
             return None
         fresh = self._named_homeless(decision, logged, engine, free_cells - need) if engine.homeless else []

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from agent.gate.decision import TargetedRead, fed_span
+from agent.gate.decision import TargetedRead, copyable
 from agent.gate.lexical import bm25_scores, words
 
 if TYPE_CHECKING:
@@ -28,40 +28,35 @@ def rank(question: str, texts: dict[int, str]) -> list[tuple[int, float]]:
     return [(i, s) for i, s in ranked if s > 0.0]
 
 
-def evicted(engine: "Engine", logged: dict[int, Any]) -> list[int]:
-    """The logged messages with evicted tokens that the engine's rows can put back whole."""
-    rows = engine.rows
-    if rows is None:
-        return []
-    out = []
+Candidate = tuple[Any, int, list[tuple[int, int]]]
+"""An evicted message a copy can put back whole: (the logged message, its first position, its evicted runs)."""
+
+
+def evicted(engine: "Engine", logged: dict[int, Any]) -> dict[int, Candidate]:
+    """The logged messages, by index, with evicted tokens that the engine's rows can put back whole."""
+    out: dict[int, Candidate] = {}
     for index, message in logged.items():
         if index in engine.homeless:
             continue
         runs = engine.evicted_runs(index)
-        span = fed_span(engine, index, message)
-        if not runs or span is None:
-            continue
-        toks = [int(t) for t in message.tokens]
-        if all(rows.covers(p0, toks[p0 - span[0]:p1 - span[0]]) for p0, p1 in runs):
-            out.append(index)
+        first = copyable(engine, index, message, runs) if runs else None
+        if first is not None:
+            out[index] = (message, first, runs)
     return out
 
 
-def plan(question: str, logged: dict[int, Any], texts: dict[int, str], engine: "Engine", messages: int,
+def plan(question: str, candidates: dict[int, Candidate], texts: dict[int, str], engine: "Engine", messages: int,
          tokens: int) -> TargetedRead | None:
-    """The ``messages`` best-ranked evicted messages of ``texts`` that come back whole within ``tokens`` evicted
-    tokens (and the cache's free cells); None when none does."""
+    """The ``messages`` best-ranked of ``candidates`` (their ``texts`` by index) that come back whole within
+    ``tokens`` evicted tokens (and the cache's free cells); None when none does."""
     room = min(tokens, engine.free_cells())
-    chosen: list[tuple[Any, int, list[tuple[int, int]]]] = []
+    chosen: list[Candidate] = []
     for index, _ in rank(question, texts):
         if len(chosen) == messages:
             break
-        message = logged[index]
-        span = fed_span(engine, index, message)
-        runs = engine.evicted_runs(index)
-        need = sum(p1 - p0 for p0, p1 in runs)
-        if span is None or need > room:
+        need = sum(p1 - p0 for p0, p1 in candidates[index][2])
+        if need > room:
             continue
-        chosen.append((message, span[0], runs))
+        chosen.append(candidates[index])
         room -= need
     return TargetedRead(chosen) if chosen else None

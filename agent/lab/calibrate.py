@@ -462,9 +462,7 @@ def summary(document: dict[str, Any], path: Path) -> str:
 
 def _risk() -> float:
     """The configured risk (what the summary's choice is shown at)."""
-    cfg = config_mod.load()
-    risk = getattr(cfg, "risk", "10%")
-    return float(getattr(risk, "share", None) or float(str(risk).strip().rstrip("%")) / 100)
+    return config_mod.load().loss_risk
 
 
 def _certify(args: argparse.Namespace, document: dict[str, Any], work: Path) -> dict[str, Any]:
