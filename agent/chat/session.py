@@ -109,7 +109,7 @@ class Turn:
     reread_indices: tuple[int, ...] = ()
     """A targeted re-read: the indices of the messages it brought back (the memory panel marks their turns)."""
     restore_indices: tuple[int, ...] = ()
-    """The evicted messages brought back before the question by the words it shares with them (config ``restore``)."""
+    """The evicted messages brought back before the question, nearest it (config ``restore``)."""
     generation: Generation | None = None
     answer_id: int | None = None
 
@@ -158,6 +158,8 @@ class ChatSession:
         """The full-cache notice (:attr:`full_cache_notice`) the chat last gave, so it is said once, not every turn."""
         self._told_budget: str | None = None
         """The budget's notice (:attr:`budget_notice`) the chat last gave, said once as the full-cache one is."""
+        self._ranker: restore.Ranker | None = None
+        """What ``restore`` ranks evicted messages with, and the sentence vectors it has read (made on first use)."""
         self._owns_engine = False
         self.conversation_id = -1
         if conversation_id is None:
@@ -481,7 +483,7 @@ class ChatSession:
         sampled = self.memory.policy.sampled
         self.memory.set_readout(True)
         try:
-            self._restore(turn)
+            self._restore(turn, on_event)
             turn.prefill_ms = self.engine.feed(tokens[:len(tokens) - held], segment=index, cancel=cancel)
             with clock("certificate"):
                 reading = self.memory.after_prefill()
@@ -502,8 +504,8 @@ class ChatSession:
             raise
         on_event(ev.Prefilled(len(tokens), turn.prefill_ms))
 
-    def _restore(self, turn: Turn) -> None:
-        """Copy back the evicted messages the question shares the most words with (config ``restore``), before the
+    def _restore(self, turn: Turn, on_event: EventSink) -> None:
+        """Copy back the evicted messages nearest the question (config ``restore``, ranked ``restore_by``), before the
         question is fed, so it is read once, over them (agent/gate/restore.py); they leave at the turn's end."""
         if (self.config.restore <= 0 or self.config.evict_at != "turn-end" or self.engine.rows is None
                 or not self.memory.evicting()):
@@ -513,8 +515,13 @@ class ChatSession:
         candidates = restore.evicted(self.engine, logged)
         if not candidates:
             return
-        plan = restore.plan(turn.user.content, candidates, self._texts(list(candidates)), self.engine,
+        if self._ranker is None or self._ranker.asked != self.config.restore_by:
+            self._ranker = restore.Ranker(self.config.restore_by)
+        plan = restore.plan(self._ranker, turn.user.content, candidates, self._texts(list(candidates)), self.engine,
                             self.config.restore, self.config.reread_budget)
+        if self._ranker.missing is not None:
+            on_event(ev.Notice(self._ranker.missing, "warning"))
+            self._ranker.missing = None  # said once
         if plan is not None and self.engine.copy_back(plan.runs()):
             # as after a targeted re-read: the biases of the sampled stand-ins would drown the exact cells that
             # came back; they return with the turn-end eviction

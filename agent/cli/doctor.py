@@ -13,7 +13,7 @@ from agent import models, paths
 from agent.chat.saved_state import SavedStates, state_dir
 from agent.eviction import budget as budget_mod
 from agent.eviction import policies
-from agent.gate import calibration, certification
+from agent.gate import calibration, certification, sentence_encoder
 from memory_store.locking import LOCK_SUFFIX
 from native import llama, patched, runtime
 
@@ -61,6 +61,9 @@ def report() -> dict[str, Any]:
         if found == "damaged":
             out["errors"].append(models.damaged_message(name))
     out["gate"] = gate_report()
+    out["restore"] = restore_report()
+    if out["restore"].get("warning"):
+        out["warnings"].append(out["restore"]["warning"])
     try:
         libs = runtime.built_libs()
         out["cuda"] = libs.cuda
@@ -122,6 +125,23 @@ def gate_report() -> dict[str, Any]:
             "certified": _certified(found)}
 
 
+def restore_report() -> dict[str, Any]:
+    """What ``restore`` brings back before a question, and whether the sentence encoder it ranks by is installed."""
+    try:
+        cfg = config_mod.load()
+    except config_mod.ConfigError as err:
+        return {"error": str(err)}
+    try:
+        encoder: str | None = str(sentence_encoder.model_dir())
+        missing = None
+    except sentence_encoder.EncoderMissing as err:
+        encoder, missing = None, str(err)
+    warn = (f"restore ranks by words only: {missing}" if missing and cfg.restore and cfg.restore_by == "meaning"
+            else None)
+    return {"restore": cfg.restore, "restore_by": cfg.restore_by, "encoder": encoder,
+            "encoder_version": _version(sentence_encoder.PACKAGE), "warning": warn}
+
+
 def _certified(found: calibration.ModelCalibration | None) -> list[dict[str, Any]] | None:
     """Each budget the model's record measured on long chats: its loss and the risk it is certified at."""
     cert = found.certification if found is not None else None
@@ -151,6 +171,7 @@ def render(data: dict[str, Any]) -> str:
         gate = "gate calibrated" if info.get("gate_calibrated") else "gate not calibrated"
         lines.append(f"  {name:<20} {shown:<10} {gate:<19} {info['path']}")
     lines.append(_gate_line(data.get("gate", {})))
+    lines.append(_restore_line(data.get("restore", {})))
     lines += [
         f"data dir          : {data['data_dir']}",
         f"cache dir         : {data['cache_dir']}",
@@ -167,6 +188,16 @@ def render(data: dict[str, Any]) -> str:
     lines += [f"warning: {text}" for text in data.get("warnings", [])]
     lines += [f"problem: {err}" for err in data["errors"]]
     return "\n".join(lines)
+
+
+def _restore_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"restore           : unknown ({r['error']})"
+    encoder = (f"sentence encoder {sentence_encoder.PACKAGE} {r['encoder_version']}" if r.get("encoder")
+               else "sentence encoder not installed")
+    if not r.get("restore"):
+        return f"restore           : off; {encoder}"
+    return f"restore           : the best {r['restore']} evicted messages by {r['restore_by']}; {encoder}"
 
 
 def _gate_line(gate: dict[str, Any]) -> str:
