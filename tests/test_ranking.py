@@ -131,6 +131,27 @@ def test_the_command_writes_the_table_and_every_probes_ranks(tmp_path: Path) -> 
     assert lines[-1].startswith("`python -m agent.lab.ranking --long")
 
 
+def test_the_encoder_finds_a_paraphrase_said_in_passing_by_its_best_sentence(tmp_path: Path) -> None:
+    lines = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "We hiked all day along the ridge and the views were wide. Oh, and my "
+                                         "cat is called Purrnickel. Then we cooked pasta at the hut and slept early."},
+             {"role": "assistant", "content": "Sounds lovely."}]
+    for i in range(4):
+        lines += [{"role": "user", "content": f"Tell me a fact about the number {i}."},
+                  {"role": "assistant", "content": f"{i} is a number."}]
+    lines += [{"role": "user", "content": "What did I name my feline?", "probe": {"expect": ["Purrnickel"],
+                                                                                  "fact_turn": 1}}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n", encoding="utf-8")
+    chat = ranking.chat_of_script(script.load(path), "long")
+    assert ranking.main(["--long", str(path), "--encoder", "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads((tmp_path / "out" / "ranking.json").read_text(encoding="utf-8"))
+    ranks = doc["probes"][0]["ranks"]
+    assert chat.cases[0].facts == (1,)
+    assert ranks["minilm sent"] == 1 and ranks["bm25"] != 1  # no word in common: BM25 falls back to recency
+    assert {"minilm", "minmax bm25+minilm sent"} <= set(ranks)
+
+
 def test_recorded_sketch_ranks_by_anomaly_and_puts_unread_messages_last(tmp_path: Path) -> None:
     chat = ranking.chat_of_script(_script(tmp_path), "long")
     readings = {"1": {"anomaly": 0.5}, "3": {"anomaly": 4.0}, "5": {"anomaly": 2.0}}

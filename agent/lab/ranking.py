@@ -1,7 +1,8 @@
 """Selection as a ranking: for each probe, where the fact's message lands among the messages it could bring back.
 
     python -m agent.lab.ranking [--long SCRIPT…] [--locomo FILE… --qa-category 2,4 --max-sessions 3]
-        [--varied SCRIPT…] [--models qwen2.5-coder-0.5b,qwen2.5-coder-1.5b] [--recent 4] [--cache DIR] --out DIR
+        [--varied SCRIPT…] [--models qwen2.5-coder-0.5b,qwen2.5-coder-1.5b] [--encoder] [--recent 4] [--cache DIR]
+        --out DIR
 
 **Candidates.** A probe's history is every message before its question as the cache holds it: the system prompt
 (where the script has one) and each earlier user message and its reply, probes and their replies included; an
@@ -22,6 +23,10 @@ candidates.
 vector is cached per (model sha256, text) under ``--cache`` with the seconds it took, so a rerun reports what the
 first run paid. LoCoMo's converter wraps each question ("Question about our conversation: … Answer with a short
 phrase."); the signals read the question inside.
+
+**The sentence encoder** (``--encoder``) is the restore's (``agent.gate.sentence_encoder``, all-MiniLM-L6-v2): cosine of
+the question's vector to each message's (``minilm``) or to its best sentence's (``minilm sent``,
+``agent.gate.restore.sentences``), each text encoded once a run.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import numpy as np
 
 from agent.gate.lexical import bm25_scores, words
+from agent.gate.restore import sentences
 from agent.lab.replay import locomo, script
 
 RECENT = 4
@@ -337,6 +343,39 @@ class Dense:
             self._embedder = None
 
 
+class Encoder:
+    """Cosine of the question's and each message's sentence-encoder vectors (:mod:`agent.gate.sentence_encoder`):
+    the whole message (``minilm``), or its best-matching sentence (``minilm sent``), so a fact said in passing
+    inside a long message is not averaged away."""
+
+    def __init__(self, per_sentence: bool, encoder: Any) -> None:
+        self.per_sentence = per_sentence
+        self.name = "minilm sent" if per_sentence else "minilm"
+        self._enc = encoder
+        self._vecs: dict[str, np.ndarray] = {}
+        self._owner: list[np.ndarray] = []  # per message: its rows' vectors
+
+    def _vectors(self, texts: Sequence[str]) -> float:
+        todo = list(dict.fromkeys(t for t in texts if t not in self._vecs))
+        t = time.perf_counter()
+        for text, vec in zip(todo, self._enc.encode(todo) if todo else []):
+            self._vecs[text] = vec
+        return time.perf_counter() - t
+
+    def prepare(self, chat: Chat) -> float:
+        parts = [sentences(m.text) if self.per_sentence else [m.text] for m in chat.messages]
+        secs = self._vectors([x for ps in parts for x in ps])
+        self._owner = [np.stack([self._vecs[x] for x in ps]) for ps in parts]
+        return secs
+
+    def scores(self, case: Case, cands: Sequence[int]) -> tuple[np.ndarray, float]:
+        secs = self._vectors([case.question])
+        t = time.perf_counter()
+        q = self._vecs[case.question]
+        s = np.array([float((self._owner[i] @ q).max()) for i in cands])
+        return s, secs + time.perf_counter() - t
+
+
 class RecordedSketch:
     """The gate's own ranking as a replay recorded it: each message's sketch anomaly (its share of the question's
     attention over its baseline, ``certificate_detail["sketch.messages"]``, keyed by the message's index in the
@@ -407,7 +446,7 @@ def fusions(partners: Sequence[str]) -> list[tuple[str, str, str]]:
     out = []
     for d in partners:
         out.append((f"rrf bm25+{d}", "rrf", d))
-        if d.startswith("dense"):
+        if d.startswith(("dense", "minilm")):
             out.append((f"minmax bm25+{d}", "minmax", d))
     return out
 
@@ -533,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="recorded results (.json[.gz]) whose probes carry per-message sketch readings, one per chat")
     p.add_argument("--sketch-policy", default="poisson", help="the recorded run to read (default poisson: ungated)")
     p.add_argument("--models", default="", help="comma-separated chat models for the dense signal (none: no dense)")
+    p.add_argument("--encoder", action="store_true",
+                   help="add the sentence encoder (all-MiniLM-L6-v2) per message and per best sentence")
     p.add_argument("--recent", type=int, default=RECENT, help=f"newest messages never candidates (default {RECENT})")
     p.add_argument("--role-prefix", action="store_true", help="dense: embed each message as 'role: text'")
     p.add_argument("--threads", type=int, default=2)
@@ -559,6 +600,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[ranking] {d.name}: {c.name} embedded", file=sys.stderr, flush=True)
         d.close()
     signals += dense
+    if args.encoder:
+        from agent.gate.sentence_encoder import SentenceEncoder  # noqa: PLC0415 — loaded only when asked for
+
+        enc = SentenceEncoder()
+        signals += [Encoder(False, enc), Encoder(True, enc)]
     if args.sketch:
         signals.append(RecordedSketch(args.sketch, args.sketch_policy))
     for c in chats:
