@@ -22,14 +22,14 @@ from memory_store.store import Store
 def test_the_message_sharing_the_rarest_words_ranks_first_and_one_sharing_none_is_left_out() -> None:
     texts = {3: "My locker code is 4172.", 5: "Tell me about the number 4.", 7: "The weather was nice.",
              9: "I changed the code of my bike lock."}
-    ranked = restore.rank_by_words("What is my locker code?", texts)
+    ranked = restore.Ranker("words").rank("What is my locker code?", texts)
     assert [i for i, _ in ranked] == [3, 9]  # "locker" is rarer than "code"; 5 and 7 share no word
     assert all(score > 0 for _, score in ranked)
 
 
 def test_equal_scores_go_to_the_newer_message() -> None:
     texts = {2: "Purrnickel is my cat.", 8: "Purrnickel is my cat."}
-    assert [i for i, _ in restore.rank_by_words("Who is Purrnickel?", texts)] == [8, 2]
+    assert [i for i, _ in restore.Ranker("words").rank("Who is Purrnickel?", texts)] == [8, 2]
 
 
 def test_stopwords_and_case_do_not_count() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -43,18 +43,10 @@ def sentences(text: str) -> list[str]:
     return [x for x in parts if x] or [text]
 
 
-def rank_by_words(question: str, texts: dict[int, str]) -> list[tuple[int, float]]:
-    """The messages of ``texts`` (index → text) by BM25 of ``question`` against them, best first; only those
-    sharing a word with it. Ties go to the newer message."""
-    indices = sorted(texts)
-    scores = bm25_scores(words(question), [Counter(words(texts[i])) for i in indices])
-    ranked = sorted(zip(indices, scores.tolist()), key=lambda p: (-p[1], -p[0]))
-    return [(i, s) for i, s in ranked if s > 0.0]
-
-
 class Ranker:
     """Ranks a chat's messages for a question, ``by`` meaning or words. Holds the sentence encoder (loaded on first
-    use) and each text's sentence vectors, so a message is encoded once however many turns rank it."""
+    use), each text's sentence vectors and its word counts, so a message is encoded and counted once however many
+    turns rank it."""
 
     def __init__(self, by: str = "meaning", encoder: Callable[[], Any] | None = None) -> None:
         if by not in RANKS:
@@ -65,6 +57,13 @@ class Ranker:
         self._make = encoder
         self._encoder: Any = None
         self._vectors: dict[str, np.ndarray] = {}
+        self._counts: dict[str, Counter[str]] = {}
+
+    def _bm25(self, question: str, texts: Sequence[str]) -> np.ndarray:
+        for text in texts:
+            if text not in self._counts:
+                self._counts[text] = Counter(words(text))
+        return bm25_scores(words(question), [self._counts[t] for t in texts])
 
     def _encode(self, texts: list[str]) -> None:
         if self._encoder is None:
@@ -84,24 +83,25 @@ class Ranker:
     def rank(self, question: str, texts: dict[int, str]) -> list[tuple[int, float]]:
         """The messages of ``texts`` (index → text), best first, only those over the floor (meaning: a best
         sentence at ``MEANING_FLOOR``; words: a word in common). Ties go to the newer message."""
-        if self.by == "words":
-            return rank_by_words(question, texts)
         indices = sorted(texts)
         if not indices:
             return []
-        from agent.gate.sentence_encoder import EncoderMissing  # noqa: PLC0415 — the encoder's module, when used
+        bm = self._bm25(question, [texts[i] for i in indices])
+        if self.by == "meaning":
+            from agent.gate.sentence_encoder import EncoderMissing  # noqa: PLC0415 — the encoder's module, when used
 
-        try:
-            self._encode([question] + [texts[i] for i in indices])
-        except EncoderMissing as exc:
-            self.by, self.missing = "words", f"restore ranks by words only: {exc}"
-            return rank_by_words(question, texts)
+            try:
+                self._encode([question] + [texts[i] for i in indices])
+            except EncoderMissing as exc:
+                self.by, self.missing = "words", f"restore ranks by words only: {exc}"
+        if self.by == "words":
+            ranked = sorted(zip(indices, bm.tolist()), key=lambda p: (-p[1], -p[0]))
+            return [(i, s) for i, s in ranked if s > 0.0]
         q = self._vectors[question]  # each sentence of a question in several: its best pair with the message's
         cos = np.array([float((self._vectors[texts[i]] @ q.T).max()) for i in indices])
-        bm = bm25_scores(words(question), [Counter(words(texts[i])) for i in indices])
         score = cos + WORDS_WEIGHT * (bm / bm.max() if bm.max() > 0 else bm)
-        ranked = sorted(zip(indices, score.tolist(), cos.tolist()), key=lambda p: (-p[1], -p[0]))
-        return [(i, s) for i, s, c in ranked if c >= MEANING_FLOOR]
+        ranked_meaning = sorted(zip(indices, score.tolist(), cos.tolist()), key=lambda p: (-p[1], -p[0]))
+        return [(i, s) for i, s, c in ranked_meaning if c >= MEANING_FLOOR]
 
 
 Candidate = tuple[Any, int, list[tuple[int, int]]]

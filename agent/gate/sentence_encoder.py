@@ -42,7 +42,6 @@ def model_dir() -> Path:
 
 def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
     """The float32 tensors of a safetensors file (an 8-byte header length, a JSON header, then the raw data)."""
-    dtypes = {"F32": np.float32, "I64": np.int64}
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + length])
@@ -52,7 +51,7 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
         if name == "__metadata__" or spec["dtype"] != "F32":
             continue
         start, end = spec["data_offsets"]
-        out[name] = np.frombuffer(raw, dtype=dtypes[spec["dtype"]], count=(end - start) // 4,
+        out[name] = np.frombuffer(raw, dtype=np.float32, count=(end - start) // 4,
                                   offset=base + start).reshape(spec["shape"])
     return out
 
