@@ -229,6 +229,8 @@ def test_after_a_frame_shift_a_reread_lands_where_its_message_belongs(evicting) 
     shift = engine.shift_frame(4, spans[2][0])
     moved = engine.evicted_runs(2)
     assert moved == [(p0 - shift.delta, p1 - shift.delta) for p0, p1 in runs]
+    assert engine.evicted_by_message() == {i: engine.evicted_runs(i) for i in engine.cache.spans
+                                           if engine.evicted_runs(i)}
     first = engine.cache.spans[2][0]
     for p0, p1 in moved:
         engine.reinsert(middle[p0 - first:p1 - first], p0, 2)

@@ -82,6 +82,7 @@ def test_reinserted_cells_hold_what_a_prefill_over_the_same_cells_computes(engin
     logpi[:len(sys_t)] = _biases(a, len(sys_t))
     a.evict(keep, logpi)
     assert a.evicted_runs(1) == [(first, first + len(fact_t))]
+    assert a.evicted_by_message() == {1: [(first, first + len(fact_t))]}, "every message's runs in one pass"
     a.reinsert(fact_t, first, segment=1)
     _assert_in_step(a)
     assert a.evicted_runs(1) == []

