@@ -159,8 +159,8 @@ class Config:
     engine's evicted rows can put back whole (agent/gate/restore.py): the best this many, within ``reread_budget``
     evicted tokens, are copied back at their old positions, the question is fed once over them, and they leave again
     at the turn's end. A copy, no decode; the gate stays the fallback for what the rank does not find. Needs
-    ``evicted_rows_mb``. 3 by the 16k yardstick (docs/results/NOTES.md): with qwen2.5-coder-0.5b at 25%, 80 of 120
-    probes against the gate alone's 71 and the full cache's 83, for 0.14–0.27 s more a turn. 0: off."""
+    ``evicted_rows_mb``. 3 by the 16k yardstick (docs/results/NOTES.md): with qwen2.5-coder-0.5b at 25%, 81 of 120
+    probes against the gate alone's 71 and the full cache's 83, for about 0.03 s more a turn. 0: off."""
     restore_by: str = "meaning"
     """How ``restore`` ranks: "meaning" (each message's best sentence under a small sentence encoder, the shared words
     breaking near ties) or "words" (BM25 alone, no encoder)."""

@@ -145,6 +145,23 @@ class GateFired:
 
 
 @dataclass(frozen=True)
+class Restored:
+    """Before the question was read, the evicted messages nearest it came back from host memory at their old
+    positions (config ``restore``); they leave again at the turn's end."""
+
+    messages: tuple[str, ...]
+    """Each message that came back, in words ("your turn 4 ('My gym locker code is…')"), nearest first."""
+    tokens: int
+
+
+def restored_words(event: Restored) -> str:
+    """What a restore brought back, in the words the chat and the CLI show."""
+    more = len(event.messages) - 1
+    others = f" and {more} more message{'s' if more != 1 else ''}" if more else ""
+    return f"brought back {event.messages[0]}{others} ({event.tokens} tokens)"
+
+
+@dataclass(frozen=True)
 class Rereading:
     """Progress of a re-read of the history from the log (a gate firing or a reopened conversation)."""
 
@@ -265,6 +282,9 @@ class TurnResult:
     restore_indices: list[int] = field(default_factory=list)
     """Indices of the evicted messages brought back before the question, nearest it (config ``restore``, ranked
     ``restore_by``); their tokens count in ``restored_tokens``."""
+    restore_best: float | None = None
+    """The restore's best reading over the evicted messages, over its floor or not: the nearest one's cosine
+    (``restore_by = "meaning"``) or BM25 (``"words"``); None where it ranked nothing."""
     timings: dict[str, float] = field(default_factory=dict)
     """Milliseconds by phase besides prefill and decode: evict (design, seq_rm, biases, compaction, its log
     record), certificate (reading the certificate and the attention from the graph, statistics), store (log writes on
@@ -280,6 +300,6 @@ class TurnFinished:
     memory: MemoryView
 
 
-Event = Union[TurnStarted, Prefilled, Evicted, CertificateRead, GateFired, Rereading, Regenerating, TextDelta,
-              Notice, TurnFinished]
+Event = Union[TurnStarted, Prefilled, Evicted, CertificateRead, GateFired, Restored, Rereading, Regenerating,
+              TextDelta, Notice, TurnFinished]
 

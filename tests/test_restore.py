@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agent import events as ev
 from agent.chat.session import ChatSession
 from agent.config import Config, ConfigError
 from agent.gate import lexical, restore
@@ -53,6 +54,14 @@ def test_meaning_scores_a_message_by_its_best_sentence() -> None:
     # the sister is one sentence of four (the whole message reads 0.36 against the question, its sentence more)
     ranked = restore.Ranker("meaning").rank("Who is my sibling?", MEANING)
     assert ranked[0][0] == 4 and ranked[0][1] > 0.4
+
+
+def test_a_greeting_before_the_question_does_not_rank_old_greetings_first() -> None:
+    texts = {**MEANING, 5: "Thanks! That was a lovely walk.", 6: "Hi there! Long day at work today."}
+    for question in ("Thanks! What did I name my feline?", "Hi there! What did I name my feline?"):
+        assert restore.Ranker("meaning").rank(question, texts)[0][0] == 1, question
+    assert restore.meaning_sentences("Thanks! What did I name my feline?") == ["What did I name my feline?"]
+    assert restore.meaning_sentences("Thanks, Melanie!") == ["Thanks, Melanie!"], "all short: kept"
 
 
 def test_a_turn_about_the_last_answer_reads_under_the_floor() -> None:
@@ -116,9 +125,14 @@ def test_a_question_brings_back_the_evicted_message_it_shares_words_with_then_it
     locker = _index_of(s, FACTS[0])
     evicted_before = s.engine.evicted_runs(locker)
     assert evicted_before, "the fixture must have evicted the locker message"
-    result = s.send("What is my locker code?")
+    events: list[ev.Event] = []
+    result = s.send("What is my locker code?", on_event=events.append)
     assert not result.gate_fired
     assert result.restore_indices[0] == locker
+    assert s.store.turns(s.conversation_id)[-1].extra["restore_indices"] == result.restore_indices, "logged"
+    said = [e for e in events if isinstance(e, ev.Restored)]
+    assert len(said) == 1 and said[0].tokens == result.restored_tokens
+    assert said[0].messages[0] == "your turn 1 ('My locker code is 4172.')", "named, nearest first"
     assert result.restored_tokens >= sum(p1 - p0 for p0, p1 in evicted_before)
     # at the turn's end it left again, with the rest of what came back
     assert s.engine.evicted_runs(locker) and np.all(np.diff(s.engine.cache.positions) > 0)
@@ -145,6 +159,7 @@ def test_a_paraphrased_question_brings_back_its_evicted_message_by_meaning_not_b
     assert s.engine.evicted_runs(cat), "the fixture must have evicted the cat message"
     result = s.send(question)
     assert result.restore_indices == [cat] and result.restored_tokens > 0
+    assert result.restore_best is not None and result.restore_best >= restore.MEANING_FLOOR
     (tmp_path / "words").mkdir()
     words = _chat(engine, tmp_path / "words", restore_messages=1, by="words").send(question)
     assert words.restore_indices == [] and words.restored_tokens == 0
@@ -154,3 +169,4 @@ def test_a_turn_about_the_last_answer_brings_nothing_back_by_meaning(engine: Eng
     s = _chat(engine, tmp_path, restore_messages=2, by="meaning")
     result = s.send("Are you sure about that?")
     assert result.restore_indices == [] and result.restored_tokens == 0
+    assert result.restore_best is not None and result.restore_best < restore.MEANING_FLOOR, "read, under the floor"

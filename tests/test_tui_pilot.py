@@ -28,7 +28,7 @@ from tui.screens.dialogs import ChoiceDialog, InputDialog
 from tui.screens.info import HelpScreen, LogsScreen
 from tui.screens.setup import SetupScreen
 from tui.testing import screen_text, store_reading, type_nowait, wait_for
-from tui.widgets.chat_log import PAGE, MessageView
+from tui.widgets.chat_log import PAGE, MessageView, Notice
 from tui.widgets.memory_panel import MemoryPanel
 from tui.widgets.status import StatusLine
 
@@ -248,6 +248,35 @@ def test_memory_panel_updates_after_an_eviction(make_app: MakeApp) -> None:
         assert "evicted:" in str(panel.query_one("#last-event").render())
         text = screen_text(app)
         assert f"{round(turns[0].user * 100)}%" in text
+
+    drive(app, scenario)
+
+
+@NEEDS_EVICTION
+def test_a_restore_shows_in_chat_and_panel_before_the_answer(make_app: MakeApp) -> None:
+    # restore by words: a question sharing a rare word with an evicted message brings it back before it is read;
+    # the evicted rows it copies from are kept while a gate runs (a fixed bar out of reach: it never fires)
+    app = make_app(policy="poisson", budget="48", gate="1000000", sketch_layers="10,20", max_tokens=4, page_size=4,
+                   seed=3, restore=2, restore_by="words")
+
+    async def scenario(pilot: Any) -> None:
+        await ready(pilot, app)
+        for text in ("My locker code is 4172.", "Name a colour.", "Name a fruit.", "Name a river.",
+                     "What is my locker code?"):
+            await send(pilot, app, text)
+            assert views(app)[-1].status == "complete", notes(app)
+        assert app.store is not None
+        turn = app.store.turns(app.conversation_id)[-1]
+        assert turn.extra["restore_indices"], "the fixture must restore the locker message"
+        restored = [n for n in app.chat_screen.chat.query(Notice) if n.has_class("restore")]
+        assert len(restored) >= 1
+        last = str(restored[-1].render())
+        # the nearest of what came back is named: the locker message of turn 1 or the answer to it
+        assert last.startswith(render.RESTORE_MARK) and "brought back" in last and "turn 1 (" in last
+        assert "locker code" in last and last.endswith("before answering")
+        # the notice sits before the answer it served
+        children = list(app.chat_screen.chat.children)
+        assert children.index(restored[-1]) < children.index(views(app)[-1])
 
     drive(app, scenario)
 

@@ -103,6 +103,15 @@ def test_gate_note_says_how_much_history_was_re_read() -> None:
     assert "question.mean 0.961 ≥ 0.952" in note and "points at" not in note
 
 
+def test_restore_note_names_the_nearest_message_and_counts_the_rest() -> None:
+    one = render.restore_note(ev.Restored(("your turn 4 ('My cat is called Purrnickel.')",), 12))
+    assert one == f"{render.RESTORE_MARK} brought back your turn 4 ('My cat is called Purrnickel.') (12 tokens) " \
+                  "before answering"
+    three = render.restore_note(ev.Restored(("your turn 4 ('x')", "your turn 9 ('y')", "the answer at turn 2 ('z')"),
+                                            131))
+    assert "your turn 4 ('x') and 2 more messages (131 tokens)" in three and "turn 9" not in three
+
+
 def test_keymap_accepts_known_ids_and_reports_unknown_ones() -> None:
     good, problems = bindings.keymap({"new_chat": "ctrl+k", "toggle_memory": "f4, ctrl+t", "nope": "x"})
     assert good == {"new_chat": "ctrl+k", "toggle_memory": "f4,ctrl+t"}

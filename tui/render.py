@@ -15,6 +15,7 @@ from agent import events as ev
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 GATE_MARK = "↻"
+RESTORE_MARK = "↺"
 
 
 def fmt_value(value: float | None) -> str:
@@ -39,6 +40,11 @@ def gate_note(event: ev.GateFired) -> str:
     if event.truncated:
         note += " — only the most recent part fits the context"
     return note
+
+
+def restore_note(event: ev.Restored) -> str:
+    """The line a restore leaves in the chat."""
+    return f"{RESTORE_MARK} {ev.restored_words(event)} before answering"
 
 
 def logged_gate_note(tokens: int | None) -> str:

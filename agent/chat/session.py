@@ -110,6 +110,8 @@ class Turn:
     """A targeted re-read: the indices of the messages it brought back (the memory panel marks their turns)."""
     restore_indices: tuple[int, ...] = ()
     """The evicted messages brought back before the question, nearest it (config ``restore``)."""
+    restore_best: float | None = None
+    """The restore's best reading this turn, over its floor or not (``restore.Ranker.best``)."""
     generation: Generation | None = None
     answer_id: int | None = None
 
@@ -380,6 +382,7 @@ class ChatSession:
             gate_fired=turn.gate_fired, reprefill_tokens=turn.reprefill_tokens,
             restored_tokens=turn.restored_tokens, reread_path=turn.reread_path,
             reread_messages=list(turn.reread_messages), restore_indices=list(turn.restore_indices),
+            restore_best=turn.restore_best,
             prefill_ms=turn.prefill_ms, decode_ms=gen.decode_ms,
             decode_tok_s=gen.tok_per_s, answer_tokens=len(gen.tokens),
             logprob_mean=float(np.mean(gen.logprobs)) if gen.logprobs else None, timings=clock.ms,
@@ -519,6 +522,7 @@ class ChatSession:
             self._ranker = restore.Ranker(self.config.restore_by)
         plan = restore.plan(self._ranker, turn.user.content, candidates, self._texts(list(candidates)), self.engine,
                             self.config.restore, self.config.reread_budget)
+        turn.restore_best = self._ranker.best
         if self._ranker.missing is not None:
             on_event(ev.Notice(self._ranker.missing, "warning"))
             self._ranker.missing = None  # said once
@@ -528,6 +532,7 @@ class ChatSession:
             self.engine.lift_biases()
             turn.restored_tokens += plan.tokens
             turn.restore_indices = tuple(plan.indices)
+            on_event(ev.Restored(tuple(self._message_words(i) for i in plan.indices), plan.tokens))
 
     def _requestion(self, turn: Turn) -> None:
         """Re-decode the question's last tokens on the evicted cache to certify that cache (only when the
@@ -992,6 +997,8 @@ class ChatSession:
                    "restored_tokens": result.restored_tokens, "gate": self.gate.history_record(),
                    **({"reread_path": result.reread_path, "reread_messages": result.reread_messages}
                       if result.reread_path else {}),
+                   **({"restore_indices": result.restore_indices} if result.restore_indices else {}),
+                   **({"restore_best": result.restore_best} if result.restore_best is not None else {}),
                    **({"eviction_error": str(eviction_error)} if eviction_error is not None else {}),
                    "timings_ms": {k: round(v, 3) for k, v in result.timings.items()}},
         ))

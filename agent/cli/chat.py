@@ -61,6 +61,8 @@ def _print_event(event: ev.Event) -> None:
     elif isinstance(event, ev.GateFired):
         why = ev.gate_reason(event)
         print(f"\n[gate: {why} — {ev.gate_words(event)}]", file=sys.stderr)
+    elif isinstance(event, ev.Restored):
+        print(f"\n[restore: {ev.restored_words(event)}]", file=sys.stderr)
     elif isinstance(event, ev.Regenerating):
         print("\n[answer discarded after a mid-answer gate breach; answering again from the full history]",
               file=sys.stderr)

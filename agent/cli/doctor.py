@@ -52,7 +52,11 @@ def report() -> dict[str, Any]:
     # SQLite's WAL-reset bug (3.7.0–3.51.2) needs a checkpoint overlapping a commit; the store rules that out.
     out["log_writes"] = (f"commits and checkpoints serialised under {paths.db_path().name}{LOCK_SUFFIX}, "
                          "no autocheckpoints (safe from SQLite's WAL-reset bug)")
-    out["saved_states"] = _saved_states()
+    try:
+        cfg: config_mod.Config | config_mod.ConfigError = config_mod.load()
+    except config_mod.ConfigError as err:
+        cfg = err
+    out["saved_states"] = _saved_states(cfg)
     out["models"] = {}
     for name in models.REGISTRY:
         found = models.state(name)
@@ -60,8 +64,8 @@ def report() -> dict[str, Any]:
                                "gate_calibrated": calibration.covers(models.REGISTRY[name].sha256)}
         if found == "damaged":
             out["errors"].append(models.damaged_message(name))
-    out["gate"] = gate_report()
-    out["restore"] = restore_report()
+    out["gate"] = gate_report(cfg)
+    out["restore"] = restore_report(cfg)
     if out["restore"].get("warning"):
         out["warnings"].append(out["restore"]["warning"])
     try:
@@ -83,24 +87,20 @@ def report() -> dict[str, Any]:
     return out
 
 
-def _saved_states() -> dict[str, Any]:
-    """The saved chat states beside the log: how many, their size, and the disk budget they are pruned under."""
-    try:
-        budget_mb = config_mod.load().saved_states_mb
-    except config_mod.ConfigError:
-        budget_mb = config_mod.Config().saved_states_mb
+def _saved_states(cfg: config_mod.Config | config_mod.ConfigError) -> dict[str, Any]:
+    """The saved chat states beside the log: how many, their size, and the disk budget they are pruned under (the
+    default's where the config does not load)."""
+    budget_mb = (cfg if isinstance(cfg, config_mod.Config) else config_mod.Config()).saved_states_mb
     states = SavedStates.beside(paths.db_path(), budget_mb).states()
     return {"dir": str(state_dir(paths.db_path())), "count": len(states), "bytes": sum(s.size for s in states),
             "budget_bytes": budget_mb * 1024 * 1024}
 
 
-def gate_report() -> dict[str, Any]:
+def gate_report(cfg: config_mod.Config | config_mod.ConfigError) -> dict[str, Any]:
     """Whether the configured model's gate is calibrated, and so whether an evicting policy evicts under gate
     "auto" (agent.eviction.budget: on a model the calibration does not cover the chat keeps the full cache)."""
-    try:
-        cfg = config_mod.load()
-    except config_mod.ConfigError as err:
-        return {"error": str(err)}
+    if isinstance(cfg, config_mod.ConfigError):
+        return {"error": str(cfg)}
     registry = models.REGISTRY.get(cfg.model)
     path = Path(cfg.model).expanduser()
     try:
@@ -125,12 +125,10 @@ def gate_report() -> dict[str, Any]:
             "certified": _certified(found)}
 
 
-def restore_report() -> dict[str, Any]:
+def restore_report(cfg: config_mod.Config | config_mod.ConfigError) -> dict[str, Any]:
     """What ``restore`` brings back before a question, and whether the sentence encoder it ranks by is installed."""
-    try:
-        cfg = config_mod.load()
-    except config_mod.ConfigError as err:
-        return {"error": str(err)}
+    if isinstance(cfg, config_mod.ConfigError):
+        return {"error": str(cfg)}
     try:
         encoder: str | None = str(sentence_encoder.model_dir())
         missing = None

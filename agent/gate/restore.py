@@ -35,12 +35,26 @@ WORDS_WEIGHT = 0.1
 """BM25, scaled to the best candidate's, added to the cosine: chosen on the same calibration chats among 0.1–0.3 and
 min-max fusions (docs/results/NOTES.md); more lets a question's filler words outrank a paraphrased fact."""
 _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+_WORD = re.compile(r"\w+")
 
 
 def sentences(text: str) -> list[str]:
     """A message's sentences, split after . ! ? and at line breaks; the whole text where it has none."""
     parts = [x.strip() for x in _SENTENCE.split(text)]
     return [x for x in parts if x] or [text]
+
+
+SHORT_WORDS = 2
+"""Sentences of at most this many words ("Thanks!", "Hi there!", "Wow.") say nothing of a topic, yet match each
+other's repeats at a cosine near 1: ranked on, "Thanks! What did I name my cat?" would bring back old thank-yous,
+not the cat (on the 16k yardstick that prefix drops recall at 3 from 0.88 to 0.21; docs/results/NOTES.md)."""
+
+
+def meaning_sentences(text: str) -> list[str]:
+    """The sentences a text is ranked by meaning on: those of more than ``SHORT_WORDS`` words, or all of them where
+    none is that long."""
+    parts = sentences(text)
+    return [x for x in parts if len(_WORD.findall(x)) > SHORT_WORDS] or parts
 
 
 class Ranker:
@@ -54,6 +68,9 @@ class Ranker:
         self.asked = self.by = by
         self.missing: str | None = None
         """Why ranking by meaning fell back to words (the encoder's package is not installed); None while it has not."""
+        self.best: float | None = None
+        """The last rank's best reading, floor or not: the nearest message's cosine (meaning) or BM25 (words); None
+        when it had no message to rank."""
         self._make = encoder
         self._encoder: Any = None
         self._vectors: dict[str, np.ndarray] = {}
@@ -72,7 +89,7 @@ class Ranker:
 
                 self._make = SentenceEncoder
             self._encoder = self._make()
-        parts = {t: sentences(t) for t in dict.fromkeys(texts) if t not in self._vectors}
+        parts = {t: meaning_sentences(t) for t in dict.fromkeys(texts) if t not in self._vectors}
         flat = [x for ps in parts.values() for x in ps]
         vecs = self._encoder.encode(flat) if flat else np.zeros((0, 0), np.float32)
         at = 0
@@ -84,6 +101,7 @@ class Ranker:
         """The messages of ``texts`` (index → text), best first, only those over the floor (meaning: a best
         sentence at ``MEANING_FLOOR``; words: a word in common). Ties go to the newer message."""
         indices = sorted(texts)
+        self.best = None
         if not indices:
             return []
         bm = self._bm25(question, [texts[i] for i in indices])
@@ -95,10 +113,12 @@ class Ranker:
             except EncoderMissing as exc:
                 self.by, self.missing = "words", f"restore ranks by words only: {exc}"
         if self.by == "words":
+            self.best = float(bm.max())
             ranked = sorted(zip(indices, bm.tolist()), key=lambda p: (-p[1], -p[0]))
             return [(i, s) for i, s in ranked if s > 0.0]
         q = self._vectors[question]  # each sentence of a question in several: its best pair with the message's
         cos = np.array([float((self._vectors[texts[i]] @ q.T).max()) for i in indices])
+        self.best = float(cos.max())
         score = cos + WORDS_WEIGHT * (bm / bm.max() if bm.max() > 0 else bm)
         ranked_meaning = sorted(zip(indices, score.tolist(), cos.tolist()), key=lambda p: (-p[1], -p[0]))
         return [(i, s) for i, s, c in ranked_meaning if c >= MEANING_FLOOR]

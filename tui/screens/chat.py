@@ -120,6 +120,11 @@ class ChatScreen(Screen[None]):
             # The notice belongs before the answer it caused: move the pending answer below it.
             if self._answer is not None:
                 await self._move_answer_last()
+        elif isinstance(item, ev.Restored):
+            await self.chat.add_notice(render.restore_note(item), kind="restore")
+            self.memory.note_restore(item)
+            if self._answer is not None:
+                await self._move_answer_last()
         elif isinstance(item, ev.Regenerating):
             if self._answer is not None:
                 await self._answer.restart()

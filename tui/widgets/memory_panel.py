@@ -76,6 +76,9 @@ class MemoryPanel(Vertical):
         self.query_one("#last-event", Static).update(
             Content(f"evicted: {event.cells_before}→{event.cells_after} cells, {event.ms:.0f} ms"))
 
+    def note_restore(self, event: ev.Restored) -> None:
+        self.query_one("#last-event", Static).update(Content(f"{render.RESTORE_MARK} {ev.restored_words(event)}"))
+
     def note_gate(self, event: ev.GateFired) -> None:
         what = f"{event.messages} message{'s' if event.messages != 1 else ''}, " if event.reread else ""
         self.query_one("#last-event", Static).update(

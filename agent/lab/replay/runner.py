@@ -386,7 +386,7 @@ class Runner:
             "gate_events": watch.gate_events, "reprefill_tokens": result.reprefill_tokens,
             "restored_tokens": result.restored_tokens,
             "reread_path": result.reread_path, "reread_messages": list(result.reread_messages),
-            "restore_indices": list(result.restore_indices),
+            "restore_indices": list(result.restore_indices), "restore_best": result.restore_best,
             "answer_tokens": 0 if forced else result.answer_tokens,
             "decode_ms": 0.0 if forced else result.decode_ms,
             "prefill_ms": result.prefill_ms, "logprob_mean": None if forced else result.logprob_mean,
