@@ -71,6 +71,18 @@ def _full_answer(engine: Engine, tmp_path: Path) -> str:
     return want
 
 
+def _full_reference(engine: Engine, tmp_path: Path) -> tuple[scripts.Step, int, np.ndarray, list[int]]:
+    """The full cache up to the first probe: the probe, the history's end, every history row, and the probe's greedy
+    answer's tokens."""
+    full = ChatSession(_config(policy="full", gate="off"), Store(tmp_path / "full.db"), engine, "qwen2.5-coder-0.5b")
+    probe = _until_probe(full)
+    end = engine.next_pos
+    rows = engine.ctx.kv_rows(engine.SEQ, np.arange(end, dtype=np.int32))
+    want = full.send(probe.user)
+    assert want.assistant_message_id is not None
+    return probe, end, rows, [int(t) for t in full.store.get_message(want.assistant_message_id).tokens]
+
+
 def test_a_copied_reread_puts_every_evicted_row_back_as_it_was_kept(qwen: Engine, tmp_path: Path) -> None:
     qwen_rows = qwen
     _full_answer(qwen_rows, tmp_path)
@@ -133,13 +145,7 @@ def test_a_copied_firing_over_rows_the_full_history_computed_answers_as_the_full
     back byte for byte (the cache then holds the full cache's rows for the whole history, biases lifted) and the
     probe's greedy answer is the full cache's, token for token. A row computed after an eviction attended to the
     sampled cache, so in a longer evicting chat the copy restores the chat's own rows, not the full cache's."""
-    full = ChatSession(_config(policy="full", gate="off"), Store(tmp_path / "full.db"), qwen, "qwen2.5-coder-0.5b")
-    probe = _until_probe(full)
-    end = qwen.next_pos
-    full_rows = qwen.ctx.kv_rows(qwen.SEQ, np.arange(end, dtype=np.int32))
-    want = full.send(probe.user)
-    assert want.assistant_message_id is not None
-    want_tokens = [int(t) for t in full.store.get_message(want.assistant_message_id).tokens]
+    probe, end, full_rows, want_tokens = _full_reference(qwen, tmp_path)
 
     store = Store(tmp_path / "gated.db")
     s = ChatSession(_config(gate="0", copy_back="all", evict_from=end), store, qwen, "qwen2.5-coder-0.5b")
@@ -168,13 +174,7 @@ def test_a_restoring_turn_that_brings_every_evicted_message_back_answers_as_the_
     every evicted message, each comes back before the question is fed, at its old positions, with the rows the
     full history computed (one eviction, at the end of the turn before the probe) and the biases lifted; the
     question is then read once over the full cache's rows and answers as the full cache does, token for token."""
-    full = ChatSession(_config(policy="full", gate="off"), Store(tmp_path / "full.db"), qwen, "qwen2.5-coder-0.5b")
-    probe = _until_probe(full)
-    end = qwen.next_pos
-    full_rows = qwen.ctx.kv_rows(qwen.SEQ, np.arange(end, dtype=np.int32))
-    want = full.send(probe.user)
-    assert want.assistant_message_id is not None
-    want_tokens = [int(t) for t in full.store.get_message(want.assistant_message_id).tokens]
+    probe, end, full_rows, want_tokens = _full_reference(qwen, tmp_path)
 
     def everything(self: restore.Ranker, question: str, texts: dict[int, str]) -> list[tuple[int, float]]:
         return [(i, 1.0) for i in sorted(texts, reverse=True)]
