@@ -154,16 +154,23 @@ class Config:
     evicted longest ago go first, and re-reads decode messages again (the targeted path); a reopened chat starts
     with none (saved states do not carry them). The log stays the source of truth: a row is used only where its
     token is the log's. 0: keep none."""
-    restore: int = 3
+    restore: int = 8
     """Evicted messages brought back before each question is read, ranked by ``restore_by`` among the messages the
     engine's evicted rows can put back whole (agent/gate/restore.py): the best this many, within ``reread_budget``
     evicted tokens, are copied back at their old positions, the question is fed once over them, and they leave again
     at the turn's end. A copy, no decode; the gate stays the fallback for what the rank does not find. Needs
-    ``evicted_rows_mb``. 3 by the 16k yardstick (docs/results/NOTES.md): with qwen2.5-coder-0.5b at 25%, 81 of 120
-    probes against the gate alone's 71 and the full cache's 83, for about 0.03 s more a turn. 0: off."""
+    ``evicted_rows_mb``. 8 by real dialogue (docs/results/NOTES.md): with qwen2.5-coder-0.5b at 25% on five LoCoMo
+    conversations, 20 of 79 questions against 13 for the best 3 and the full cache's 22; on two 16k yardstick chats
+    40 of 60 against 42 for 3 (full 42), at 0.76× the full cache's turn time. 0: off."""
     restore_by: str = "meaning"
     """How ``restore`` ranks: "meaning" (each message's best sentence under a small sentence encoder, the shared words
     breaking near ties) or "words" (BM25 alone, no encoder)."""
+    gate_sees_restore: bool = True
+    """The gate reads a question as though the messages ``restore`` brought back for it were still evicted, so that
+    restoring the wrong messages does not silence it: a message the question pays unusual attention to fires the gate
+    whether or not the restore brought it back. A firing whose messages the restore already brought back re-reads
+    nothing (the question was read over them); one that names others brings those back as well. false: the gate
+    reads what the restore left evicted, and the messages it brought back count as kept."""
     gate_second: str = "auto"
     """A second, independent signal that fires the gate where its statistic stays under the bar: "auto" uses the one
     the model's gate calibration carries, if any (record field ``second``, fitted by ``python -m agent.lab.gate_lab

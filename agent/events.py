@@ -276,7 +276,8 @@ class TurnResult:
     reread_path: str = ""
     """How the gate's re-read ran: "copied" (every evicted token copied back from the engine's evicted rows, then
     the question again), "targeted" (only the messages the question points at, at their old positions, then the
-    question again), "full" (the whole history), or "" (no re-read)."""
+    question again), "full" (the whole history), "restored" (the gate fired on messages the turn's restore had already
+    brought back: nothing more to read), or "" (no re-read)."""
     reread_messages: list[int] = field(default_factory=list)
     """Ids of the logged messages the re-read brought back."""
     restore_indices: list[int] = field(default_factory=list)

@@ -103,12 +103,13 @@ FACTS = ["My locker code is 4172.", "My cat is called Purrnickel.", "I was born 
 FILLERS = [f"Give me one short sentence about the number {i}." for i in range(12)]
 
 
-def _chat(engine: Engine, tmp_path: Path, restore_messages: int, by: str = "words") -> ChatSession:
+def _chat(engine: Engine, tmp_path: Path, restore_messages: int, by: str = "words", **settings: object
+          ) -> ChatSession:
     """FACTS then FILLERS, answers forced, evicted to 64 cells from the first turn, rows kept, a gate that never
     fires (a fixed bar out of reach), so only the restore brings anything back."""
     cfg = Config(model="smollm2-135m", n_ctx=2048, evict_from=0, policy="poisson", budget="64", max_tokens=4,
                  gate="1000000", page_size=4, seed=3, sketch_layers="10,20", evicted_rows_mb=64,
-                 restore=restore_messages, restore_by=by)
+                 restore=restore_messages, restore_by=by).replace(**settings)
     s = ChatSession(cfg, Store(tmp_path / "log.db"), engine, "smollm2-135m")
     for text in FACTS + FILLERS:
         drive.forced(s, text, "Noted.")
@@ -170,3 +171,38 @@ def test_a_turn_about_the_last_answer_brings_nothing_back_by_meaning(engine: Eng
     result = s.send("Are you sure about that?")
     assert result.restore_indices == [] and result.restored_tokens == 0
     assert result.restore_best is not None and result.restore_best < restore.MEANING_FLOOR, "read, under the floor"
+
+
+@pytest.mark.parametrize("sees", [True, False])
+def test_the_gate_reads_a_restored_message_as_evicted_only_when_it_sees_through_the_restore(
+        engine: Engine, tmp_path: Path, sees: bool) -> None:
+    s = _chat(engine, tmp_path, restore_messages=1, gate_sees_restore=sees)
+    locker = _index_of(s, FACTS[0])
+    gone = sum(p1 - p0 for p0, p1 in s.engine.evicted_runs(locker))
+    assert gone, "the fixture must have evicted the locker message"
+    result = s.send("What is my locker code?")
+    assert result.restore_indices == [locker]
+    read = s.gate.turn.sketch_messages.get(locker)
+    if sees:
+        assert read is not None and read["evicted"] >= gone, "its restored cells count as evicted for the gate"
+    else:
+        assert read is None or read["evicted"] == 0, "the restore took it out of what the gate reads as evicted"
+
+
+def test_a_firing_on_a_message_the_restore_brought_back_reads_nothing_more(engine: Engine, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate fires (a bar of 0) and names the restored message alone: the question was already read over it."""
+    s = _chat(engine, tmp_path, restore_messages=1, gate="0", gate_stat="sketch.max", copy_back="named")
+    locker = _index_of(s, FACTS[0])
+    monkeypatch.setattr(type(s.gate), "_implicated", lambda self, tau: [locker])
+    result = s.send("What is my locker code?")
+    assert result.restore_indices == [locker] and result.gate_fired
+    assert result.reread_path == "restored" and result.reprefill_tokens == 0
+    assert s.store.turns(s.conversation_id)[-1].extra["reread_path"] == "restored", "logged"
+    # a firing that also names a message still evicted brings that one back, and not what the restore brought
+    named = [_index_of(s, FACTS[0]), _index_of(s, FACTS[2])]
+    monkeypatch.setattr(type(s.gate), "_implicated", lambda self, tau: named)
+    result = s.send("What is my locker code, and where was I born?")
+    ids = {m.index: m.id for m in s.store.messages(s.conversation_id)}
+    assert result.gate_fired and result.reread_path == "targeted" and len(result.restore_indices) == 1
+    assert result.reread_messages == [ids[i] for i in named if i not in result.restore_indices]

@@ -563,7 +563,7 @@ class ChatSession:
         except InterruptedError:
             self._abandon(turn, "reprefill")
             raise
-        if self.config.evict_at == "turn-end" and turn.reread_path != "copied":
+        if self.config.evict_at == "turn-end" and turn.reread_path not in ("copied", "restored"):
             # the re-read ends with this message: its window's attention scores the turn-end eviction (after a
             # copied re-read the cells that stay are those the first prefill's attention already scored)
             self.memory.read_importance()
@@ -709,6 +709,10 @@ class ChatSession:
                 self._reread_copied(turn, decision, copied, on_event, cancel)
                 return
             target, why_full = self._plan_targeted(decision, turn)
+            if target is not None and not target.indices:
+                # everything the firing names came back with the restore, and the question was read over it
+                self._record_reread(turn, decision, "restored", [], 0)
+                return
             if target is not None:
                 self._reread_targeted(turn, decision, target, on_event, cancel)
                 return
@@ -829,7 +833,8 @@ class ChatSession:
 
     def _record_reread(self, turn: Turn, decision: GateDecision, path: str, message_ids: list[int], tokens: int,
                        restored: int = 0, indices: Sequence[int] = ()) -> None:
-        """The turn re-read ``path`` ("full" or "targeted") on ``decision``: what it cost and what came back
+        """The turn re-read ``path`` ("full", "targeted", "copied"; "restored": nothing more than the restore brought
+        back) on ``decision``: what it cost and what came back
         (``indices``: a targeted re-read's messages, for the memory panel)."""
         self.gate.record_firing(decision)
         turn.gate_fired = True

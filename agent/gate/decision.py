@@ -319,6 +319,8 @@ class GateSettings:
     answer_certificate: bool
     reread_budget: int
     reread_copy: bool
+    sees_restore: bool = True
+    """Config ``gate_sees_restore``: the sketch reads the cells put back this turn as still evicted."""
 
     @property
     def statistic(self) -> str:
@@ -340,7 +342,8 @@ class GateSettings:
                    bars=bars, evict_at=config.evict_at, budget=budget or config.kv_budget, model=config.model,
                    policy=config.policy,
                    page_size=config.page_size, answer_certificate=config.answer_certificate,
-                   reread_budget=config.reread_budget, reread_copy=config.reread_copy)
+                   reread_budget=config.reread_budget, reread_copy=config.reread_copy,
+                   sees_restore=config.gate_sees_restore)
 
 
 class Gate:
@@ -605,6 +608,11 @@ class Gate:
         share = (kept + gone) / np.where(census > 0, census, 1.0)
         n_gone = np.bincount(stored, minlength=n_msg)[:n_msg]
         n_live = np.bincount(segs, minlength=n_msg)[:n_msg]
+        if self.settings.sees_restore and len(engine.reinserted):
+            # cells put back before the question (a restore) are read as the eviction left them: brought back by
+            # the wrong rank, they would otherwise take the question's attention off what is still evicted
+            back = np.bincount(segs[np.isin(cache_pos, engine.reinserted)], minlength=n_msg)[:n_msg]
+            n_gone, n_live = n_gone + back, n_live - back
         anomalies: dict[int, float] = {}
         excess: dict[int, float] = {}
         # every message with evicted cells is recorded (share, baseline, anomaly, cell counts), so a study can
@@ -708,7 +716,9 @@ class Gate:
         else the attention is spread); they come back whole (every evicted run), most anomalous first, as many as fit
         ``reread_budget`` — when those hold at least :data:`COVER` of the implicated mass. ``logged``: the log's
         re-readable messages by index (exact token ids), checked against the positions the engine fed them at and the
-        tokens still live there — on any disagreement the log wins and the whole history is re-read."""
+        tokens still live there — on any disagreement the log wins and the whole history is re-read. A message a
+        restore put back whole before the question was read needs nothing more: where every message named is such,
+        the plan is empty, and the question has already read what the firing would bring back."""
         tau = self._naming_bar(decision)
         if self.settings.reread_budget <= 0:
             return None, "targeted re-reads are off (reread_budget = 0)"
@@ -729,6 +739,7 @@ class Gate:
         room = min(self.settings.reread_budget, free_cells)
         implicated = sum(self.turn.excess.get(i, 0.0) for i in chosen)
         covered = 0.0
+        whole = 0
         for index in chosen:
             message, span = logged.get(index), fed_span(engine, index, logged.get(index))
             if message is not None and message.tokens is not None and index in engine.homeless:
@@ -750,8 +761,11 @@ class Gate:
                 break
             room -= need
             covered += self.turn.excess.get(index, 0.0)
-            plan.append((message, span[0], runs))
-        if not (plan or fresh) or (implicated > 0 and covered < COVER * implicated and not best_effort):
+            if runs:
+                plan.append((message, span[0], runs))
+            else:
+                whole += 1  # a restore brought it back before the question was read (config gate_sees_restore)
+        if not (plan or fresh or whole) or (implicated > 0 and covered < COVER * implicated and not best_effort):
             return None, "the messages the question points at hold more evicted tokens than the re-read budget"
         return TargetedRead(plan, fresh), ""
 

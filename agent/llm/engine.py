@@ -626,6 +626,14 @@ class Engine:
         self._took_back(np.sort(positions))
         return True
 
+    @property
+    def reinserted(self) -> np.ndarray:
+        """The live positions put back at their old places since their last eviction (sorted; read-only): a
+        restore's or a re-read's, evicted again at the turn's end."""
+        view = self._reinserted.view()
+        view.flags.writeable = False
+        return view
+
     def evict_reinserted(self) -> None:
         """Evict again every cell :meth:`reinsert` put back, their sketch rows returning as first evicted.
 
