@@ -160,8 +160,9 @@ class Config:
     evicted tokens, are copied back at their old positions, the question is fed once over them, and they leave again
     at the turn's end. A copy, no decode; the gate stays the fallback for what the rank does not find. Needs
     ``evicted_rows_mb``. 8 by real dialogue (docs/results/NOTES.md): with qwen2.5-coder-0.5b at 25% on five LoCoMo
-    conversations, 20 of 79 questions against 13 for the best 3 and the full cache's 22; on two 16k yardstick chats
-    40 of 60 against 42 for 3 (full 42), at 0.76× the full cache's turn time. 0: off."""
+    conversations, 20 of 79 questions against 13 for the best 3 and the full cache's 22 (qwen2.5-coder-1.5b: 25 of 79,
+    full 27); on the four 16k yardstick chats 78 of 120 against 80 for 3 (full 83), at 0.77× the full cache's turn
+    time. 0: off."""
     restore_by: str = "meaning"
     """How ``restore`` ranks: "meaning" (each message's best sentence under a small sentence encoder, the shared words
     breaking near ties) or "words" (BM25 alone, no encoder)."""
