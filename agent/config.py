@@ -169,9 +169,11 @@ class Config:
     gate_sees_restore: bool = True
     """The gate reads a question as though the messages ``restore`` brought back for it were still evicted, so that
     restoring the wrong messages does not silence it: a message the question pays unusual attention to fires the gate
-    whether or not the restore brought it back. A firing whose messages the restore already brought back re-reads
-    nothing (the question was read over them); one that names others brings those back as well. false: the gate
-    reads what the restore left evicted, and the messages it brought back count as kept."""
+    whether or not the restore brought it back. Where a firing brings back only the messages it names (``copy_back``
+    "named", or "auto" past 4 × ``reread_budget`` evicted tokens), one whose messages the restore already brought back
+    re-reads nothing (the question was read over them), and one that names others brings those back as well; a
+    firing that copies every evicted token back does so as before. false: the gate reads what the restore left
+    evicted, and the messages it brought back count as kept."""
     gate_second: str = "auto"
     """A second, independent signal that fires the gate where its statistic stays under the bar: "auto" uses the one
     the model's gate calibration carries, if any (record field ``second``, fitted by ``python -m agent.lab.gate_lab
