@@ -174,6 +174,11 @@ class Config:
     re-reads nothing (the question was read over them), and one that names others brings those back as well; a
     firing that copies every evicted token back does so as before. false: the gate reads what the restore left
     evicted, and the messages it brought back count as kept."""
+    gate_trusts_restore: bool = False
+    """With ``gate_sees_restore``, where a firing brings back only the messages it names: a firing whose pull lies
+    mostly on messages the restore already brought back (at least half the question's attention above baseline on
+    the messages it names) re-reads nothing more, as though it had named those alone; the question was read over
+    them. false: it brings back every other message it names, and the question is fed again over them."""
     gate_second: str = "auto"
     """A second, independent signal that fires the gate where its statistic stays under the bar: "auto" uses the one
     the model's gate calibration carries, if any (record field ``second``, fitted by ``python -m agent.lab.gate_lab

@@ -206,3 +206,32 @@ def test_a_firing_on_a_message_the_restore_brought_back_reads_nothing_more(engin
     ids = {m.index: m.id for m in s.store.messages(s.conversation_id)}
     assert result.gate_fired and result.reread_path == "targeted" and len(result.restore_indices) == 1
     assert result.reread_messages == [ids[i] for i in named if i not in result.restore_indices]
+
+
+@pytest.mark.parametrize("trusts", [True, False])
+def test_a_firing_that_pulls_mostly_on_what_the_restore_brought_back_reads_nothing_more_when_it_trusts_the_restore(
+        engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trusts: bool) -> None:
+    """The gate fires (a bar of 0) and names the restored message and an evicted one; the forced excess says which
+    holds the question's pull."""
+    s = _chat(engine, tmp_path, restore_messages=1, gate="0", gate_stat="sketch.max", copy_back="named",
+              gate_trusts_restore=trusts)
+    locker, born = _index_of(s, FACTS[0]), _index_of(s, FACTS[2])
+    ids = {m.index: m.id for m in s.store.messages(s.conversation_id)}
+
+    def names(excess: dict[int, float]):  # noqa: ANN202 — a stand-in for Gate._implicated
+        def implicated(self, tau: float) -> list[int]:  # noqa: ANN001
+            self.turn.excess = dict(excess)
+            return sorted(excess, key=lambda i: -excess[i])
+        return implicated
+
+    monkeypatch.setattr(type(s.gate), "_implicated", names({locker: 0.6, born: 0.4}))
+    result = s.send("What is my locker code?")
+    assert result.restore_indices == [locker] and result.gate_fired
+    if trusts:
+        assert result.reread_path == "restored" and result.reprefill_tokens == 0, "half the pull came back already"
+    else:
+        assert result.reread_path == "targeted" and result.reread_messages == [ids[born]]
+    monkeypatch.setattr(type(s.gate), "_implicated", names({locker: 0.3, born: 0.7}))
+    result = s.send("What is my locker code?")
+    assert result.restore_indices == [locker] and result.gate_fired
+    assert result.reread_path == "targeted" and result.reread_messages == [ids[born]], "most of the pull is evicted"

@@ -513,9 +513,7 @@ class ChatSession:
         if (self.config.restore <= 0 or self.config.evict_at != "turn-end" or self.engine.rows is None
                 or not self.memory.evicting()):
             return
-        history = self.store.history(self.conversation_id)
-        logged = {m.index: m for m in _readable(history.messages, turn.user.id)}
-        candidates = restore.evicted(self.engine, logged)
+        candidates = restore.evicted(self.engine, self._logged(turn))
         if not candidates:
             return
         if self._ranker is None or self._ranker.asked != self.config.restore_by:
@@ -704,11 +702,12 @@ class ChatSession:
         assert decision.value is not None and decision.threshold is not None
         why_full = "mid-answer breach"
         if phase == "question":
-            copied = self._plan_copied(turn, decision) if self.config.copy_back != "named" else None
+            logged = self._logged(turn)
+            copied = self._plan_copied(logged, decision) if self.config.copy_back != "named" else None
             if copied is not None:
                 self._reread_copied(turn, decision, copied, on_event, cancel)
                 return
-            target, why_full = self._plan_targeted(decision, turn)
+            target, why_full = self.gate.plan_targeted(decision, logged, self.engine, self.engine.free_cells())
             if target is not None and not target.indices:
                 # everything the firing names came back with the restore, and the question was read over it
                 self._record_reread(turn, decision, "restored", [], 0)
@@ -728,9 +727,12 @@ class ChatSession:
         self._record_reread(turn, decision, "full", [m.id for m in plan.messages], plan.prefill_tokens,
                             plan.restored_tokens)
 
-    def _plan_copied(self, turn: Turn, decision: GateDecision) -> TargetedRead | None:
+    def _logged(self, turn: Turn) -> dict[int, Message]:
+        """The log's messages a re-read may bring back, by index (the question in flight among them)."""
         history = self.store.history(self.conversation_id)
-        logged = {m.index: m for m in _readable(history.messages, turn.user.id)}
+        return {m.index: m for m in _readable(history.messages, turn.user.id)}
+
+    def _plan_copied(self, logged: dict[int, Message], decision: GateDecision) -> TargetedRead | None:
         # the question comes out and goes back in; the answer needs its room too
         most = WHOLE_REREAD_FACTOR * self.config.reread_budget if self.config.copy_back == "auto" else None
         return self.gate.plan_copied(logged, self.engine, self.engine.free_cells() - self.config.max_tokens, most,
@@ -752,11 +754,6 @@ class ChatSession:
         self._put_back(turn, plan, kept, on_event, cancel, readout=False)
         self._record_reread(turn, decision, "copied", plan.ids, question + fresh, restored=plan.tokens - fresh,
                             indices=plan.indices)
-
-    def _plan_targeted(self, decision: GateDecision, turn: Turn) -> tuple[TargetedRead | None, str]:
-        history = self.store.history(self.conversation_id)
-        logged = {m.index: m for m in _readable(history.messages, turn.user.id)}
-        return self.gate.plan_targeted(decision, logged, self.engine, self.engine.free_cells())
 
     def _reread_targeted(self, turn: Turn, decision: GateDecision, target: TargetedRead, on_event: EventSink,
                          cancel: threading.Event | None) -> None:

@@ -27,6 +27,7 @@ from agent.config import Budget, Config, GateThreshold
 from agent.events import Hook
 from agent.eviction import policies
 from agent.gate import calibration, certificate, repetition, signals
+from agent.gate.baselines import RunningMedians
 from agent.gate.bars import Bar
 from agent.gate.certificate import CertificateForm
 from agent.gate.signals import Signal
@@ -250,7 +251,7 @@ def copyable(engine: "Engine", index: int, message: Any, runs: list[tuple[int, i
     span = fed_span(engine, index, message)
     if engine.rows is None or span is None:
         return None
-    toks = [int(t) for t in message.tokens]
+    toks = message.tokens
     if not all(engine.rows.covers(p0, toks[p0 - span[0]:p1 - span[0]]) for p0, p1 in runs):
         return None
     return span[0]
@@ -321,6 +322,8 @@ class GateSettings:
     reread_copy: bool
     sees_restore: bool = True
     """Config ``gate_sees_restore``: the sketch reads the cells put back this turn as still evicted."""
+    trusts_restore: bool = False
+    """Config ``gate_trusts_restore``: a firing that pulls mostly on restored messages re-reads nothing more."""
 
     @property
     def statistic(self) -> str:
@@ -343,7 +346,7 @@ class GateSettings:
                    policy=config.policy,
                    page_size=config.page_size, answer_certificate=config.answer_certificate,
                    reread_budget=config.reread_budget, reread_copy=config.reread_copy,
-                   sees_restore=config.gate_sees_restore)
+                   sees_restore=config.gate_sees_restore, trusts_restore=config.gate_trusts_restore)
 
 
 class Gate:
@@ -359,6 +362,8 @@ class Gate:
         self.copy: ReadCopy | None = None
         self._paid: dict[int, list[np.ndarray]] = {}
         """Per message index: its attention share in each sketch layer at every earlier turn (the baselines)."""
+        self._medians = RunningMedians()
+        """The baselines of ``_paid``, kept sorted as it grows; cleared wherever ``_paid`` is replaced."""
         self._paid_layers: tuple[int, ...] | None = None
         """The sketch layers the baselines in ``_paid`` were read in (None: none read yet)."""
         self._recent: list[float] = []
@@ -473,6 +478,7 @@ class Gate:
         self._recent = list(state.recent)
         self._tau = None
         self._paid = {message: list(shares) for message, shares in state.paid.items()}
+        self._medians.clear()
         self._paid_layers = state.paid_layers
 
     def drop_copy(self) -> None:
@@ -483,6 +489,7 @@ class Gate:
         """A new or reopened conversation: no copy, no baselines, no recent statistics."""
         self.copy = None
         self._paid = {}
+        self._medians.clear()
         self._paid_layers = None
         self._recent = []
         self._tau = None
@@ -521,6 +528,7 @@ class Gate:
         """Baselines are per sketch layer: read in other layers, they are dropped."""
         if self._paid_layers is not None and layers != self._paid_layers:
             self._paid = {}
+            self._medians.clear()
         self._paid_layers = layers
 
     def discard_turn(self) -> None:
@@ -549,7 +557,8 @@ class Gate:
         evicted = len(cache) < engine.next_pos
         if reading is None:
             reading = engine.read_importance()
-        share = evicted_share(reading, positions, logpi)
+        # lifted biases (a restore before the question): each live cell weighs as itself, none stands for others
+        share = evicted_share(reading, positions, np.zeros_like(logpi) if engine.biases_lifted else logpi)
         turn = self.turn
         turn.rounds = engine.rounds
         turn.form = self.certificate_form(engine.rounds)
@@ -572,7 +581,7 @@ class Gate:
         In each sketch layer, a message's share is a census of the question's attention over every cell the
         history had, each counted once: the live cells' weights from the importance readout with their −log π
         biases taken back out (× π: the bias lets a sampled cell stand for 1/π cells, which the sketch already
-        counts), plus the sketch's estimate for its evicted cells, on the same scale (the kept softmax), over the
+        counts; as read, where a restore lifted the biases for the turn), plus the sketch's estimate for its evicted cells, on the same scale (the kept softmax), over the
         census of all messages. Read that way a message's share does not depend on how its cells are split
         between the sample and the sketch, so it keeps its scale when a re-read brings cells back and a later
         round samples them anew (with the biases left in, its few survivors weighed 1/π each and read as
@@ -592,7 +601,10 @@ class Gate:
         layers = score.layers
         segs = np.asarray(engine.cache.segments, dtype=np.int64)
         cache_pos = np.asarray(engine.cache.positions, dtype=np.int64)
-        pi = np.exp(np.asarray(engine.cache.logpi, dtype=np.float64))
+        # the −log π biases are taken back out where the readout was read under them: not on a turn whose restore
+        # lifted them, where the readout is already each cell's own weight
+        pi = (np.ones(len(engine.cache), dtype=np.float64) if engine.biases_lifted
+              else np.exp(np.asarray(engine.cache.logpi, dtype=np.float64)))
         stored = score.messages
         self._keep_baselines(tuple(int(x) for x in layers))
         n_msg = int(max(segs.max(initial=0), stored.max(initial=0))) + 1
@@ -620,7 +632,7 @@ class Gate:
         record: dict[int, dict[str, Any]] = {}
         for m in np.flatnonzero(n_gone):
             earlier = self._paid.get(int(m), [])
-            base = np.median(np.stack(earlier), axis=0) if len(earlier) >= 2 else None
+            base = self._medians.median(int(m), earlier) if len(earlier) >= 2 else None
             anomaly = None
             if base is not None:
                 ratio = share[:, m] / np.maximum(base, SHARE_FLOOR)
@@ -738,6 +750,12 @@ class Gate:
         fresh: list[Any] = []
         room = min(self.settings.reread_budget, free_cells)
         implicated = sum(self.turn.excess.get(i, 0.0) for i in chosen)
+        if self.settings.trusts_restore and implicated > 0:
+            # what a restore put back whole is read as evicted (gate_sees_restore) yet has no evicted run left
+            served = sum(self.turn.excess.get(i, 0.0) for i in chosen
+                         if i not in engine.homeless and i in engine.cache.spans and not engine.evicted_runs(i))
+            if served >= COVER * implicated:
+                return TargetedRead([]), ""
         covered = 0.0
         whole = 0
         for index in chosen:

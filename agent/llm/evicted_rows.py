@@ -63,7 +63,12 @@ class EvictedRows:
 
     def covers(self, start: int, tokens: Sequence[int]) -> bool:
         """Whether :meth:`take` would give the rows of positions [start, start + len(tokens))."""
-        return self._kept(start, tokens) is not None
+        rows = self._rows
+        for i, t in enumerate(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens):
+            got = rows.get(start + i)
+            if got is None or got[0] != int(t):
+                return False
+        return True
 
     def take(self, start: int, tokens: Sequence[int]) -> np.ndarray | None:
         """The rows of positions [start, start + len(tokens)) if every one is kept for exactly that token, else
