@@ -27,8 +27,8 @@ from agent.config import Budget, Config, GateThreshold
 from agent.events import Hook
 from agent.eviction import policies
 from agent.gate import calibration, certificate, repetition, signals
-from agent.gate.baselines import RunningMedians
 from agent.gate.bars import Bar
+from agent.gate.baselines import RunningMedians
 from agent.gate.certificate import CertificateForm
 from agent.gate.signals import Signal
 from agent.llm.engine import holds_logged_tokens
@@ -581,13 +581,13 @@ class Gate:
         In each sketch layer, a message's share is a census of the question's attention over every cell the
         history had, each counted once: the live cells' weights from the importance readout with their −log π
         biases taken back out (× π: the bias lets a sampled cell stand for 1/π cells, which the sketch already
-        counts; as read, where a restore lifted the biases for the turn), plus the sketch's estimate for its evicted cells, on the same scale (the kept softmax), over the
-        census of all messages. Read that way a message's share does not depend on how its cells are split
-        between the sample and the sketch, so it keeps its scale when a re-read brings cells back and a later
-        round samples them anew (with the biases left in, its few survivors weighed 1/π each and read as
-        anomalous on turn after turn: docs/results/NOTES.md). A message's anomaly is the largest ratio, over the
-        sketch layers, of this share
-        to its median over the earlier turns (at least two; the median floored at ``SHARE_FLOOR``); ``sketch.max``
+        counts; as read, where a restore lifted the biases for the turn), plus the sketch's estimate for its
+        evicted cells, on the same scale (the kept softmax), over the census of all messages. Read that way a
+        message's share does not depend on how its cells are split between the sample and the sketch, so it keeps
+        its scale when a re-read brings cells back and a later round samples them anew (with the biases left in,
+        its few survivors weighed 1/π each and read as anomalous on turn after turn: docs/results/NOTES.md). A
+        message's anomaly is the largest ratio, over the sketch layers, of this share to its median over the
+        earlier turns (at least two; the median floored at ``SHARE_FLOOR``); ``sketch.max``
         is the largest anomaly over the messages more than half evicted — the ones the certificate of the kept
         sample cannot speak for. An earlier question this one repeats word for word (``agent.gate.repetition``, read
         from ``texts``) is left out: the pull on an earlier copy of its own words is no sign that the question
