@@ -235,3 +235,37 @@ def test_a_firing_that_pulls_mostly_on_what_the_restore_brought_back_reads_nothi
     result = s.send("What is my locker code?")
     assert result.restore_indices == [locker] and result.gate_fired
     assert result.reread_path == "targeted" and result.reread_messages == [ids[born]], "most of the pull is evicted"
+
+
+def test_a_restoring_turn_reads_its_unbiased_readout_as_it_is(engine: Engine, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore lifts the −log π biases before the question is fed, so the census weighs each live cell's
+    attention as read (no × π) and no attention stands for evicted cells."""
+    s = _chat(engine, tmp_path, restore_messages=1)
+    turn = s.begin_turn("What is my locker code?")
+    assert turn.restore_indices and s.engine.biases_lifted
+    assert s.gate.turn.evicted_share.get("question.evicted_share") == 0.0, "nothing imputed under lifted biases"
+    logpi = np.asarray(s.engine.cache.logpi)
+    segs = np.asarray(s.engine.cache.segments)
+    sampled = {int(m) for m in segs[logpi < 0]}
+    whole = {int(m) for m in segs} - sampled  # messages whose live cells all have π = 1
+    assert sampled and whole, "the fixture must keep sampled and unsampled messages"
+    reading = s.engine.read_importance()
+
+    def shares(lifted: bool) -> dict[int, np.ndarray]:
+        monkeypatch.setattr(s.engine, "biases_lifted", lifted)
+        s.gate.read_sketch(s.engine, reading)
+        return {m: np.asarray(v) for m, v in s.gate.turn.shares.items()}
+
+    as_read, times_pi = shares(True), shares(False)
+    monkeypatch.setattr(s.engine, "biases_lifted", True)
+    # only the census's total differs for messages of unsampled cells; those with sampled survivors weigh more as read
+    rescale = {m: as_read[m] / times_pi[m] for m in whole if m in as_read and np.all(times_pi[m] > 0)}
+    assert rescale, "some unsampled message holds attention"
+    scale = next(iter(rescale.values()))
+    assert all(np.allclose(r, scale) for r in rescale.values())
+    heavier = [m for m in sampled if m in as_read and np.all(times_pi[m] > 0) and np.all(as_read[m] / times_pi[m]
+                                                                                             > scale * (1 + 1e-9))]
+    assert heavier, "a sampled survivor's attention is no longer scaled down by its π"
+    s.answer(turn)
+    s.finish_turn(turn)
