@@ -557,8 +557,7 @@ class Gate:
         evicted = len(cache) < engine.next_pos
         if reading is None:
             reading = engine.read_importance()
-        # lifted biases (a restore before the question): each live cell weighs as itself, none stands for others
-        share = evicted_share(reading, positions, np.zeros_like(logpi) if engine.biases_lifted else logpi)
+        share = evicted_share(reading, positions, engine.applied_logpi())
         turn = self.turn
         turn.rounds = engine.rounds
         turn.form = self.certificate_form(engine.rounds)
@@ -601,10 +600,8 @@ class Gate:
         layers = score.layers
         segs = np.asarray(engine.cache.segments, dtype=np.int64)
         cache_pos = np.asarray(engine.cache.positions, dtype=np.int64)
-        # the −log π biases are taken back out where the readout was read under them: not on a turn whose restore
-        # lifted them, where the readout is already each cell's own weight
-        pi = (np.ones(len(engine.cache), dtype=np.float64) if engine.biases_lifted
-              else np.exp(np.asarray(engine.cache.logpi, dtype=np.float64)))
+        # the biases the readout was read under (none on a turn whose restore lifted them) are taken back out
+        pi = np.exp(engine.applied_logpi())
         stored = score.messages
         self._keep_baselines(tuple(int(x) for x in layers))
         n_msg = int(max(segs.max(initial=0), stored.max(initial=0))) + 1

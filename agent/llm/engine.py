@@ -381,6 +381,13 @@ class Engine:
         if self.biases_lifted:
             self._write_biases()
 
+    def applied_logpi(self) -> np.ndarray:
+        """Each live cell's log π as attention reads it now, in cache order: the mirror's cumulative log π, or 0
+        for every cell while the biases are lifted (what a readout of this moment's attention was weighted by)."""
+        if self.biases_lifted:
+            return np.zeros(len(self.cache), dtype=np.float64)
+        return np.asarray(self.cache.logpi, dtype=np.float64)
+
     # -- the attention readout -------------------------------------------------------------
     def set_readout(self, on: bool, window: int) -> None:
         """Have the graph compute the certificate and the importance over each ubatch's last ``window`` rows

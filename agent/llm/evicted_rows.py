@@ -54,7 +54,8 @@ class EvictedRows:
     def _kept(self, start: int, tokens: Sequence[int]) -> list[bytes] | None:
         """The kept bytes of positions [start, start + len(tokens)) when every one is kept for exactly that token."""
         out = []
-        for i, t in enumerate(tokens):
+        # the log's tokens come as a NumPy array: one conversion, not one int() of a NumPy scalar per token
+        for i, t in enumerate(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens):
             got = self._rows.get(start + i)
             if got is None or got[0] != int(t):
                 return None
@@ -63,12 +64,7 @@ class EvictedRows:
 
     def covers(self, start: int, tokens: Sequence[int]) -> bool:
         """Whether :meth:`take` would give the rows of positions [start, start + len(tokens))."""
-        rows = self._rows
-        for i, t in enumerate(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens):
-            got = rows.get(start + i)
-            if got is None or got[0] != int(t):
-                return False
-        return True
+        return self._kept(start, tokens) is not None
 
     def take(self, start: int, tokens: Sequence[int]) -> np.ndarray | None:
         """The rows of positions [start, start + len(tokens)) if every one is kept for exactly that token, else
