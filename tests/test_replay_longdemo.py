@@ -17,6 +17,7 @@ from agent.config import Config
 from agent.gate.certification import Certification, Trial
 from agent.lab import cli_replay
 from agent.lab.replay import aggregate, longchat, longdemo
+from memory_store.store import Store
 
 HAVE_LOCOMO = bool(sorted(longchat.SHARED_LOCOMO.glob("*.json")))
 
@@ -154,3 +155,48 @@ def test_scripted_replies_log_probability_by_position_in_the_chat() -> None:
     column = longdemo._column([run])
     assert column["reply_logprob_by_position"] == {"0k–16k": (-6.0 / 5, 5), "16k–32k": (-3.0, 3)}
     assert longdemo._column([{**run, "steps": steps[3:]}])["reply_logprob_by_position"] == {}
+
+
+@pytest.mark.slow  # about a minute of CPU: two policies run twice on smollm2
+@pytest.mark.skipif(not HAVE_LOCOMO, reason="the shared LoCoMo data is not on this machine")
+def test_lockstep_takes_turns_and_changes_nothing_a_job_records(small_model: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Each job of a lockstep group has an engine of its own: its records equal those of the same job run alone,
+    and the log shows the jobs' turns interleaved, one turn of each in turn."""
+    counter = longchat.TokenCounter(small_model)
+    try:
+        s = longchat.generate(7, 600, counter, probes=2)
+    finally:
+        counter.close()
+    path = longchat.save(s, tmp_path / "scripts", "smollm2-135m")
+    docs = {}
+    for mode in ("alone", "lockstep"):
+        out = tmp_path / mode
+        assert _cli(["demo", "long", "--script", str(path), "--policy", "full,poisson+gate", "--budget", "25%",
+                     "--gate", "0.5", "--model", "smollm2-135m", "--threads", "1", "--max-tokens", "4",
+                     "--no-progress", "--no-plots", "--json", "--out", str(out)]
+                    + (["--lockstep"] if mode == "lockstep" else [])) == 0
+        capsys.readouterr()
+        docs[mode] = aggregate.read_results(out / "results.json")
+    assert docs["lockstep"]["meta"]["lockstep"] is True and docs["alone"]["meta"]["lockstep"] is False
+    fields = ("kind", "answer", "gate_fired", "reprefill_tokens", "restored_tokens", "live_cells", "history_tokens",
+              "restore_indices", "evictions", "correct")
+    for alone, side in zip(docs["alone"]["runs"], docs["lockstep"]["runs"], strict=True):
+        assert (alone["policy"], alone["budget"]) == (side["policy"], side["budget"])
+        assert [[st.get(f) for f in fields] for st in alone["steps"]] == [[st.get(f) for f in fields]
+                                                                         for st in side["steps"]]
+        assert len(side["turn_wall_s"]) == len(side["steps"]) and side["wall_s"] == pytest.approx(
+            sum(side["turn_wall_s"]))
+    assert any(st["evictions"] for st in docs["lockstep"]["runs"][1]["steps"])  # the gated job did evict
+
+    # in the log the two conversations' user messages alternate: turn k of each before turn k + 1 of either
+    store = Store(tmp_path / "lockstep" / "replay.db")
+    try:
+        by_conversation = [[m.id for m in store.messages(run["conversation_id"]) if m.role == "user"]
+                           for run in docs["lockstep"]["runs"]]
+    finally:
+        store.close()
+    first, second = by_conversation
+    assert len(first) == len(second) == len(s.steps)
+    for k in range(len(first) - 1):
+        assert max(first[k], second[k]) < min(first[k + 1], second[k + 1])

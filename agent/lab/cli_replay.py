@@ -308,7 +308,7 @@ def _cmd_demo_long(args: argparse.Namespace) -> int:
             out=out, policies=policies, budgets=budgets, seeds=args.seeds, gate=args.gate,
             model=args.model or longchat.FIXTURE_MODEL, max_tokens=max_tokens, n_ctx=args.n_ctx,
             threads=args.threads, shard=args.shard, plots=not args.no_plots, progress=not args.no_progress,
-            generate_fillers=args.generate_fillers, score_replies=args.score_replies,
+            generate_fillers=args.generate_fillers, score_replies=args.score_replies, lockstep=args.lockstep,
             command=command_line(getattr(args, "argv", None)),
             extra_meta={"quick": bool(args.quick), "history": args.history})
         doc = longdemo.run(scripts, settings, _base_config(args))
@@ -441,6 +441,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="run these scripts instead (any replay script, e.g. a converted LoCoMo conversation)")
     lg.add_argument("--shard", help="run only shard i of n (i/n); combine with --from-results or `replay merge`")
     lg.add_argument("--n-ctx", type=int, dest="n_ctx", help="KV cells (default: the longest history + an answer)")
+    lg.add_argument("--lockstep", action="store_true",
+                    help="run a script's policies side by side, a turn of each in turn, each on an engine of its own "
+                         "(a KV cache each): their turn times then share the machine's drift, as a time bar needs")
     lg.add_argument("--from-results", type=Path, action="append", dest="from_results",
                     help="print the table and plots of these results folders (e.g. shards) without running")
     lg.set_defaults(func=cli_errors.guard(_cmd_demo_long), command="demo")

@@ -51,6 +51,9 @@ class Settings:
     """Generate (then replace) the answer of every scripted turn, not only probes (for the studies)."""
     score_replies: bool = False
     """Record each scripted reply's teacher-forced log-probability (by position in the chat; slower turns)."""
+    lockstep: bool = False
+    """Run each script's jobs turn by turn side by side, each on an engine of its own, so a slower stretch of the
+    machine falls on every policy's same turns (``certchat demo long``; the time bar compares turn times)."""
     command: str = ""
     extra_meta: dict[str, Any] = field(default_factory=dict)
 

@@ -1,15 +1,18 @@
 """`certchat demo long`: long scripts under several policies in one process, measured as a user feels them.
 
 Each job goes through the replay ``Runner``'s public calls only. Around them this module
-times every turn (the interval between the runner's per-step callbacks), samples the
-process's resident memory after each turn, and keeps both in the run record
-(``turn_wall_s``, ``rss_bytes``), so shard files merged by ``certchat replay merge`` still
-carry them. :func:`rows` turns runs into one column per (policy, budget): recall (overall,
-by distance, verbatim / paraphrased), the gate's rate on probes, question fillers and the
-other turns, tokens re-read and restored, mean and p95 turn time, decode speed, peak KV
-cells and host memory; each column's probes paired with the full cache's on the same script
-(both right / full only / this only / neither, and the difference with its 95% interval), and
-a gated column's mean turn time against the bar ungated eviction sets (ungated + 0.10 × full).
+times every turn (each ``JobRun.advance``), samples the process's resident memory after each
+turn, and keeps both in the run record (``turn_wall_s``, ``rss_bytes``), so shard files merged
+by ``certchat replay merge`` still carry them. With ``--lockstep`` a script's jobs run side by
+side, each on an engine of its own, a turn of each in turn, so the machine's drift over minutes
+falls on every policy alike and the time bar compares like with like.
+
+:func:`rows` turns runs into one column per (policy, budget): recall (overall, by distance,
+verbatim / paraphrased), the gate's rate on probes, question fillers and the other turns,
+tokens re-read and restored, mean and p95 turn time, decode speed, peak KV cells and host
+memory; each column's probes paired with the full cache's on the same script (both right /
+full only / this only / neither, and the difference with its 95% interval), and a gated
+column's mean turn time against the bar ungated eviction sets (ungated + 0.10 × full).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import datetime
 import json
 import os
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +31,7 @@ from agent.lab.replay import aggregate, figures, report
 from agent.lab.replay.batch import Settings, results_path
 from agent.lab.replay.rank_stats import paired_difference
 from agent.lab.replay.runner import Job, Runner, default_store_path, plan_jobs, shard, unique_names
-from agent.lab.replay.script import Script, Step
+from agent.lab.replay.script import Script
 
 POLICIES = "full,topk,poisson,poisson+gate"
 DISTANCE_BUCKETS: tuple[tuple[int, int | None], ...] = ((2, 9), (10, 49), (50, 149), (150, None))
@@ -106,7 +108,7 @@ def run(scripts: list[Script], settings: Settings, base: Config,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "scripts": [{"name": s.name, "source": s.source, "steps": len(s.steps), "probes": len(s.probes),
                      **({"meta": s.meta} if s.meta else {})} for s in scripts],
-        "jobs": len(jobs), "demo": "long", "generate_fillers": settings.generate_fillers,
+        "jobs": len(jobs), "demo": "long", "lockstep": settings.lockstep, "generate_fillers": settings.generate_fillers,
         "score_replies": settings.score_replies,
         "host_memory": "resident set size sampled after each turn (/proc/self/statm): its peak in the run, "
                        "and that peak less the resident size when the run started",
@@ -118,47 +120,116 @@ def run(scripts: list[Script], settings: Settings, base: Config,
     settings.out.mkdir(parents=True, exist_ok=True)
     out_path = results_path(settings)
     log(f"demo long: {len(jobs)} jobs on {', '.join(s.name for s in scripts)}; model {display}, "
-        f"{cfg.threads} threads, n_ctx {n_ctx}, max_tokens {cfg.max_tokens}")
-    engine = Engine(EngineSettings.from_config(cfg, model_path, n_ctx=n_ctx))
+        f"{cfg.threads} threads, n_ctx {n_ctx}, max_tokens {cfg.max_tokens}"
+        + (", each script's jobs in lockstep" if settings.lockstep else ""))
     store = Store(default_store_path(settings.out, settings.shard))
     runs: list[dict[str, Any]] = []
-    clock: dict[str, Any] = {}
 
-    def on_step(job: Job, step: Step) -> None:
-        now = time.perf_counter()
-        clock["marks"].append(now)
-        clock["rss"].append(rss_bytes())
-        done, total = len(clock["marks"]) - 1, clock["total"]  # marks[0] is the job's start
-        if settings.progress and (done == total or done % clock["every"] == 0):
-            log(f"  {clock['label']}: turn {done}/{total}, last turn {now - clock['marks'][-2]:.2f} s, "
-                f"{now - clock['marks'][0]:.0f} s so far")
+    def make_engine() -> Any:
+        return Engine(EngineSettings.from_config(cfg, model_path, n_ctx=n_ctx))
+
+    def finished(timing: _Timing, record: dict[str, Any]) -> None:
+        record.update(timing.fields())
+        record.update(fact_ages(by_name[record["script"]]))
+        runs.append(record)
+        if settings.progress:
+            col = _column([record])
+            log(f"{timing.label}: recall {col['n_correct']}/{col['n_probes']}, mean turn {col['turn_s_mean']:.2f} s, "
+                f"gate rate {_pct(col['gate_probes'])} probes / {_pct(col['gate_qfillers'])} question "
+                f"fillers, {record['wall_s']:.0f} s")
+        aggregate.write_results(out_path, meta, runs)
 
     try:
-        runner = Runner(cfg, engine, display, store, gate=settings.gate, on_step=on_step,
-                        generate_fillers=settings.generate_fillers, score_replies=settings.score_replies)
-        for n, job in enumerate(jobs, start=1):
-            script = by_name[job.script]
-            label = f"[{n}/{len(jobs)}] {job.script} · {job.policy} {job.budget} · seed {job.seed}"
-            clock.update(label=label, total=len(script.steps), every=max(1, len(script.steps) // 10),
-                         rss=[], marks=[time.perf_counter()])
-            start_rss = rss_bytes()
-            record = runner.run(job, script)
-            marks = clock["marks"]
-            record["turn_wall_s"] = [b - a for a, b in zip(marks, marks[1:])]
-            record["rss_bytes"] = clock["rss"]
-            record["rss_start_bytes"] = start_rss
-            record.update(fact_ages(script))
-            runs.append(record)
-            col = _column([record])
-            if settings.progress:
-                log(f"{label}: recall {col['n_correct']}/{col['n_probes']}, mean turn {col['turn_s_mean']:.2f} s, "
-                    f"gate rate {_pct(col['gate_probes'])} probes / {_pct(col['gate_qfillers'])} question "
-                    f"fillers, {record['wall_s']:.0f} s")
-            aggregate.write_results(out_path, meta, runs)
+        if settings.lockstep:
+            meta["host_memory"] = ("resident set size of the whole process, which holds every engine of a lockstep "
+                                   "group, sampled after each turn")
+            for group in lockstep_groups(jobs):
+                _run_lockstep(group, by_name, len(jobs), runs, make_engine, lambda engine: Runner(
+                    cfg, engine, display, store, gate=settings.gate, generate_fillers=settings.generate_fillers,
+                    score_replies=settings.score_replies), settings.progress, log, finished)
+        else:
+            engine = make_engine()
+            try:
+                runner = Runner(cfg, engine, display, store, gate=settings.gate,
+                                generate_fillers=settings.generate_fillers, score_replies=settings.score_replies)
+                for n, job in enumerate(jobs, start=1):
+                    timing = _Timing(f"[{n}/{len(jobs)}] {_job_words(job)}", len(by_name[job.script].steps))
+                    job_run = runner.start(job, by_name[job.script])
+                    try:
+                        while not job_run.done:
+                            timing.turn(job_run.advance(), settings.progress, log)
+                    finally:
+                        job_run.close()
+                    finished(timing, job_run.result())
+            finally:
+                engine.close()
     finally:
         store.close()
-        engine.close()
     return aggregate.write_results(out_path, meta, runs)
+
+
+def _job_words(job: Job) -> str:
+    return f"{job.script} · {job.policy} {job.budget} · seed {job.seed}"
+
+
+def lockstep_groups(jobs: list[Job]) -> list[list[Job]]:
+    """The jobs of each script together, in the order the scripts first appear (a lockstep group)."""
+    groups: dict[str, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(job.script, []).append(job)
+    return list(groups.values())
+
+
+def _run_lockstep(group: list[Job], by_name: dict[str, Script], n_jobs: int, runs: list[dict[str, Any]],
+                  make_engine: Callable[[], Any], make_runner: Callable[[Any], Runner], progress: bool,
+                  log: Callable[[str], None], finished: Callable[[_Timing, dict[str, Any]], None]) -> None:
+    """One script's jobs, each on an engine of its own, a turn of each in turn: every policy's turn k runs within
+    seconds of the others', so the machine's drift between jobs (llama.cpp's prefill speed wanders by 10–15 % over
+    minutes here) falls on all of them alike. Which job goes first rotates turn by turn."""
+    script = by_name[group[0].script]
+    engines: list[Any] = []
+    job_runs: list[Any] = []
+    try:
+        for job in group:
+            engines.append(make_engine())
+            job_runs.append(make_runner(engines[-1]).start(job, script))
+        timings = [_Timing(f"[{len(runs) + i + 1}/{n_jobs}] {_job_words(job)}", len(script.steps))
+                   for i, job in enumerate(group)]
+        for turn in range(len(script.steps)):
+            for k in range(len(group)):
+                i = (turn + k) % len(group)
+                timings[i].turn(job_runs[i].advance(), progress and k == len(group) - 1, log)
+        for job_run in job_runs:
+            job_run.close()
+        for timing, job_run in zip(timings, job_runs):
+            finished(timing, job_run.result(interleaved=True))
+    finally:
+        for job_run in job_runs:
+            job_run.close()
+        for engine in engines:
+            engine.close()
+
+
+class _Timing:
+    """One job's turn times and the process's resident memory after each turn."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label = label
+        self.total = total
+        self.every = max(1, total // 10)
+        self.walls: list[float] = []
+        self.rss: list[int] = []
+        self.rss_start = rss_bytes()
+
+    def turn(self, seconds: float, say: bool, log: Callable[[str], None]) -> None:
+        self.walls.append(seconds)
+        self.rss.append(rss_bytes())
+        done = len(self.walls)
+        if say and (done == self.total or done % self.every == 0):
+            log(f"  {self.label}: turn {done}/{self.total}, last turn {seconds:.2f} s, {sum(self.walls):.0f} s so far")
+
+    def fields(self) -> dict[str, Any]:
+        return {"turn_wall_s": list(self.walls), "rss_bytes": list(self.rss), "rss_start_bytes": self.rss_start}
 
 
 # -- the side-by-side table ------------------------------------------------------------------------

@@ -250,6 +250,17 @@ class Runner:
 
     def run(self, job: Job, script: Script) -> dict[str, Any]:
         """One job: its per-step records and its summary."""
+        job_run = self.start(job, script)
+        try:
+            while not job_run.done:
+                job_run.advance()
+        finally:
+            job_run.close()
+        return job_run.result()
+
+    def start(self, job: Job, script: Script) -> JobRun:
+        """Open ``job``'s session; its steps then run one :meth:`JobRun.advance` at a time, so several jobs, each on
+        a runner and engine of its own, can take turns step by step (``certchat demo long --lockstep``)."""
         from agent.chat.session import ChatSession  # noqa: PLC0415 — loads llama.cpp
 
         self.job_started(job, script)
@@ -265,35 +276,19 @@ class Runner:
         self.store.rename_conversation(session.conversation_id,
                                        f"replay {script.name} · {job.policy} {job.budget} seed {job.seed} "
                                        f"{job.protocol}")
-        started = time.perf_counter()
-        records: list[dict[str, Any]] = []
-        try:
-            for step in script.steps:
-                # one-shot evaluates probes under eviction; with generate_fillers the scripted
-                # turns too, so the gate's filler rate exists in this protocol as well
-                evaluate = step.probe is not None or (self.generate_fillers and step.assistant is not None
-                                                       and not step.independent)
-                if one_shot and evaluate:
-                    record = self._one_shot_probe(session, step, cfg, full_cfg, script)
-                else:
-                    record = self._step(session, step, script)
-                records.append(record)
-                self.on_step(job, step)
-        finally:
-            session.close()
-        wall = time.perf_counter() - started
-        run = {"script": script.name, "source": script.source, "policy": job.policy, "budget": job.budget,
-               "seed": job.seed, "protocol": job.protocol, "conversation_id": session.conversation_id,
-               "gate_threshold": next((r["gate_threshold"] for r in records if r["gate_threshold"] is not None),
-                                      None),
-               "wall_s": wall, "steps": records}
-        run["summary"] = summarize(run, script)
-        if script.meta.get("question_fillers"):
-            # a long-chat script's question-shaped fillers (turn numbers), for the studies and tables that split them
-            run["question_fillers"] = [int(t) for t in script.meta["question_fillers"]]
-        return run
+        return JobRun(self, job, script, session, cfg, full_cfg)
 
     # -- one step ----------------------------------------------------------------------
+    def _advance(self, job_run: JobRun, step: Step) -> dict[str, Any]:
+        """``step`` of ``job_run``: its record."""
+        # one-shot evaluates probes under eviction; with generate_fillers the scripted
+        # turns too, so the gate's filler rate exists in this protocol as well
+        evaluate = step.probe is not None or (self.generate_fillers and step.assistant is not None
+                                               and not step.independent)
+        if job_run.job.protocol == "one-shot" and evaluate:
+            return self._one_shot_probe(job_run.session, step, job_run.cfg, job_run.full_cfg, job_run.script)
+        return self._step(job_run.session, step, job_run.script)
+
     def _send(self, session: Any, step: Step, script: Script, mode: str = "send",
               answer: str | None = None, scores: list[float] | None = None) -> tuple[Any, _Watch]:
         """One step on the session: ``mode`` is send, forced, replaced or independent (see ``agent.lab.replay.drive``);
@@ -407,6 +402,66 @@ class Runner:
                 "fact_message": self._user_ids.get(probe.fact_turn) if probe.fact_turn is not None else None,
             })
         return record
+
+
+class JobRun:
+    """One job under way on its runner: the session open, the steps run so far and their records."""
+
+    def __init__(self, runner: Runner, job: Job, script: Script, session: Any, cfg: Config,
+                 full_cfg: Config) -> None:
+        self.runner = runner
+        self.job = job
+        self.script = script
+        self.session = session
+        self.cfg = cfg
+        self.full_cfg = full_cfg
+        self.records: list[dict[str, Any]] = []
+        self._started = time.perf_counter()
+        self._wall = 0.0
+        """Seconds in this job's own steps."""
+        self._span = 0.0
+        """Seconds from the session's opening to its closing."""
+        self._closed = False
+
+    @property
+    def done(self) -> bool:
+        """Every step has run."""
+        return len(self.records) >= len(self.script.steps)
+
+    def advance(self) -> float:
+        """Run the next step; its seconds on the clock."""
+        step = self.script.steps[len(self.records)]
+        started = time.perf_counter()
+        record = self.runner._advance(self, step)
+        seconds = time.perf_counter() - started
+        self._wall += seconds
+        self.records.append(record)
+        self.runner.on_step(self.job, step)
+        return seconds
+
+    def close(self) -> None:
+        """Close the session (again: nothing). The job's wall time counts from :meth:`Runner.start` to here unless
+        the steps were interleaved with other jobs' (``interleaved``), where it is the sum of its own steps."""
+        if not self._closed:
+            self._closed = True
+            self.session.close()
+            self._span = time.perf_counter() - self._started
+
+    def result(self, interleaved: bool = False) -> dict[str, Any]:
+        """The job's run record: per-step records, summary and wall time."""
+        self.close()
+        records = self.records
+        run = {"script": self.script.name, "source": self.script.source, "policy": self.job.policy,
+               "budget": self.job.budget, "seed": self.job.seed, "protocol": self.job.protocol,
+               "conversation_id": self.session.conversation_id,
+               "gate_threshold": next((r["gate_threshold"] for r in records if r["gate_threshold"] is not None),
+                                      None),
+               "wall_s": self._wall if interleaved else self._span, "steps": records}
+        run["summary"] = summarize(run, self.script)
+        if self.script.meta.get("question_fillers"):
+            # a long-chat script's question-shaped fillers (turn numbers), for the studies and tables that split them
+            run["question_fillers"] = [int(t) for t in self.script.meta["question_fillers"]]
+        return run
 
 
 def _plain(value: Any) -> Any:
