@@ -181,6 +181,11 @@ class Config:
     them. false: it brings back every other message it names, and the question is fed again over them. On the 16k
     yardstick (qwen2.5-coder-0.5b, 25%) it turned 19 of 175 such re-reads into none, with the same recall (80 of
     120, one answer changed each way); its time saving is under what the machine could time, so it stays off."""
+    gate_defers_to_restore: bool = False
+    """On a turn whose ``restore`` brought messages back, the gate reads the question as ever but re-reads nothing,
+    even past its bar: the restore's rank has already chosen what the question needs, and the gate stays the
+    fallback for the turns where the rank found nothing above its floor (or the restore is off). The turn's
+    record says when the gate deferred (``gate_deferred``). false: the gate fires on every turn that reaches it."""
     gate_second: str = "auto"
     """A second, independent signal that fires the gate where its statistic stays under the bar: "auto" uses the one
     the model's gate calibration carries, if any (record field ``second``, fitted by ``python -m agent.lab.gate_lab

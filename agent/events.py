@@ -283,6 +283,9 @@ class TurnResult:
     restore_indices: list[int] = field(default_factory=list)
     """Indices of the evicted messages brought back before the question, nearest it (config ``restore``, ranked
     ``restore_by``); their tokens count in ``restored_tokens``."""
+    gate_deferred: bool = False
+    """The gate reached its bar on a restoring turn and left the answer to what the restore brought back (config
+    ``gate_defers_to_restore``): nothing re-read."""
     restore_best: float | None = None
     """The restore's best reading over the evicted messages, over its floor or not: the nearest one's cosine
     (``restore_by = "meaning"``) or BM25 (``"words"``); None where it ranked nothing."""

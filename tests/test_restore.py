@@ -237,6 +237,23 @@ def test_a_firing_that_pulls_mostly_on_what_the_restore_brought_back_reads_nothi
     assert result.reread_path == "targeted" and result.reread_messages == [ids[born]], "most of the pull is evicted"
 
 
+@pytest.mark.parametrize("defers", [True, False])
+def test_the_gate_leaves_a_restoring_turn_to_the_restore_only_when_it_defers(engine: Engine, tmp_path: Path,
+                                                                             defers: bool) -> None:
+    """A bar of 0: the gate reaches it on every turn. Deferring, a turn whose restore brought a message back re-reads
+    nothing and says the gate deferred; a turn whose rank found nothing (no shared word) still fires."""
+    s = _chat(engine, tmp_path, restore_messages=1, gate="0", gate_stat="sketch.max", copy_back="named",
+              gate_defers_to_restore=defers)
+    result = s.send("What is my locker code?")
+    assert result.restore_indices == [_index_of(s, FACTS[0])]
+    assert result.gate_deferred is defers and result.gate_fired is not defers
+    if defers:
+        assert result.reread_path == "" and result.reprefill_tokens == 0
+        assert s.store.turns(s.conversation_id)[-1].extra["gate_deferred"] is True, "logged"
+    result = s.send("Are you sure about that?")
+    assert result.restore_indices == [] and result.gate_fired and not result.gate_deferred, "nothing came back"
+
+
 def test_a_restoring_turn_reads_its_unbiased_readout_as_it_is(engine: Engine, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The restore lifts the −log π biases before the question is fed, so the census weighs each live cell's

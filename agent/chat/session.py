@@ -101,6 +101,9 @@ class Turn:
     reprefill_tokens: int = 0
     restored_tokens: int = 0
     gate_fired: bool = False
+    gate_deferred: bool = False
+    """The gate reached its bar on a turn whose restore had brought messages back, and left the answer to them
+    (config ``gate_defers_to_restore``)."""
     reread_path: str = ""
     """How the gate's re-read ran: "copied" (every evicted token back from the engine's evicted rows), "targeted"
     (the implicated messages), "full" (the whole history re-prefilled) or ""."""
@@ -379,7 +382,7 @@ class ChatSession:
             answer=gen.text, stop=gen.stop, policy=self.config.policy, budget_cells=self.memory.budget_cells(),
             live_cells=self.engine.live_cells, allocated_cells=self.engine.n_ctx, certificate=stat,
             certificate_detail=self.gate.turn.detail(), gate_threshold=self.gate.threshold(),
-            gate_fired=turn.gate_fired, reprefill_tokens=turn.reprefill_tokens,
+            gate_fired=turn.gate_fired, gate_deferred=turn.gate_deferred, reprefill_tokens=turn.reprefill_tokens,
             restored_tokens=turn.restored_tokens, reread_path=turn.reread_path,
             reread_messages=list(turn.reread_messages), restore_indices=list(turn.restore_indices),
             restore_best=turn.restore_best,
@@ -555,6 +558,9 @@ class ChatSession:
             on_event(ev.CertificateRead("question", decision.value, decision.threshold))
         if not decision.fire:
             return
+        if self._defers(turn):
+            turn.gate_deferred = True
+            return
         try:
             with turn.clock("reprefill"):
                 self._reread(turn, decision, "question", on_event, cancel)
@@ -565,6 +571,10 @@ class ChatSession:
             # the re-read ends with this message: its window's attention scores the turn-end eviction (after a
             # copied re-read the cells that stay are those the first prefill's attention already scored)
             self.memory.read_importance()
+
+    def _defers(self, turn: Turn) -> bool:
+        """The gate leaves this turn to its restore (config ``gate_defers_to_restore``, and messages came back)."""
+        return self.config.gate_defers_to_restore and bool(turn.restore_indices)
 
     def _generate(self, turn: Turn, on_event: EventSink,
                   cancel: threading.Event | None) -> tuple[Generation, AssistantStream]:
@@ -588,6 +598,9 @@ class ChatSession:
             def step_hook(step: int) -> bool:
                 decision = self.gate.step_decision(self.engine)
                 if allow_gate and decision.fire:
+                    if self._defers(turn):
+                        turn.gate_deferred = True
+                        return True
                     breach.append(decision)
                     return False
                 return True
@@ -1001,6 +1014,7 @@ class ChatSession:
                       if result.reread_path else {}),
                    **({"restore_indices": result.restore_indices} if result.restore_indices else {}),
                    **({"restore_best": result.restore_best} if result.restore_best is not None else {}),
+                   **({"gate_deferred": True} if result.gate_deferred else {}),
                    **({"eviction_error": str(eviction_error)} if eviction_error is not None else {}),
                    "timings_ms": {k: round(v, 3) for k, v in result.timings.items()}},
         ))

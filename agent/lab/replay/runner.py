@@ -378,6 +378,7 @@ class Runner:
             "certificate": result.certificate,
             "certificate_detail": _plain(result.certificate_detail),
             "gate_threshold": result.gate_threshold, "gate_fired": result.gate_fired,
+            "gate_deferred": result.gate_deferred,
             "gate_events": watch.gate_events, "reprefill_tokens": result.reprefill_tokens,
             "restored_tokens": result.restored_tokens,
             "reread_path": result.reread_path, "reread_messages": list(result.reread_messages),
