@@ -182,10 +182,12 @@ class Config:
     yardstick (qwen2.5-coder-0.5b, 25%) it turned 19 of 175 such re-reads into none, with the same recall (80 of
     120, one answer changed each way); its time saving is under what the machine could time, so it stays off."""
     gate_defers_to_restore: bool = False
-    """On a turn whose ``restore`` brought messages back, the gate reads the question as ever but re-reads nothing,
-    even past its bar: the restore's rank has already chosen what the question needs, and the gate stays the
-    fallback for the turns where the rank found nothing above its floor (or the restore is off). The turn's
-    record says when the gate deferred (``gate_deferred``). false: the gate fires on every turn that reaches it."""
+    """On a turn whose ``restore`` brought messages back, a firing re-reads nothing unless it copies every evicted
+    token back (``copy_back`` "all", or "auto" within 4 × ``reread_budget`` evicted tokens), when the answer reads
+    the whole history. Past that a firing would bring back the messages the question's attention at two layers
+    names, second-guessing the restore's rank, which has already chosen by meaning. A turn whose rank brought
+    nothing back fires as ever. The turn's record says when the gate deferred (``gate_deferred``). false: every
+    firing re-reads."""
     gate_second: str = "auto"
     """A second, independent signal that fires the gate where its statistic stays under the bar: "auto" uses the one
     the model's gate calibration carries, if any (record field ``second``, fitted by ``python -m agent.lab.gate_lab

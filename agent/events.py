@@ -154,6 +154,24 @@ class Restored:
     tokens: int
 
 
+@dataclass(frozen=True)
+class GateDeferred:
+    """The gate reached its bar on a turn whose restore had brought messages back, where it would have named messages
+    to re-read, and left the answer to the restored ones (config ``gate_defers_to_restore``): nothing more is
+    re-read."""
+
+    phase: str
+    value: float | None
+    threshold: float | None
+
+
+def deferred_words(event: GateDeferred) -> str:
+    """Why nothing more was re-read, in the words the chat and the CLI show."""
+    if event.value is None or event.threshold is None:
+        return "the gate's bar was reached; the restored messages answer"
+    return f"certificate {event.value:.3g} ≥ τ {event.threshold:.3g}; the restored messages answer"
+
+
 def restored_words(event: Restored) -> str:
     """What a restore brought back, in the words the chat and the CLI show."""
     more = len(event.messages) - 1
@@ -284,8 +302,8 @@ class TurnResult:
     """Indices of the evicted messages brought back before the question, nearest it (config ``restore``, ranked
     ``restore_by``); their tokens count in ``restored_tokens``."""
     gate_deferred: bool = False
-    """The gate reached its bar on a restoring turn and left the answer to what the restore brought back (config
-    ``gate_defers_to_restore``): nothing re-read."""
+    """The gate reached its bar on a restoring turn where it would have named messages to re-read, and left the
+    answer to what the restore brought back (config ``gate_defers_to_restore``): nothing re-read."""
     restore_best: float | None = None
     """The restore's best reading over the evicted messages, over its floor or not: the nearest one's cosine
     (``restore_by = "meaning"``) or BM25 (``"words"``); None where it ranked nothing."""
@@ -304,6 +322,6 @@ class TurnFinished:
     memory: MemoryView
 
 
-Event = Union[TurnStarted, Prefilled, Evicted, CertificateRead, GateFired, Restored, Rereading, Regenerating,
-              TextDelta, Notice, TurnFinished]
+Event = Union[TurnStarted, Prefilled, Evicted, CertificateRead, GateFired, GateDeferred, Restored, Rereading,
+              Regenerating, TextDelta, Notice, TurnFinished]
 

@@ -192,7 +192,8 @@ def test_the_gate_reads_a_restored_message_as_evicted_only_when_it_sees_through_
 def test_a_firing_on_a_message_the_restore_brought_back_reads_nothing_more(engine: Engine, tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The gate fires (a bar of 0) and names the restored message alone: the question was already read over it."""
-    s = _chat(engine, tmp_path, restore_messages=1, gate="0", gate_stat="sketch.max", copy_back="named")
+    s = _chat(engine, tmp_path, restore_messages=1, gate="0", gate_stat="sketch.max", copy_back="named",
+              gate_defers_to_restore=False)
     locker = _index_of(s, FACTS[0])
     monkeypatch.setattr(type(s.gate), "_implicated", lambda self, tau: [locker])
     result = s.send("What is my locker code?")
@@ -214,7 +215,7 @@ def test_a_firing_that_pulls_mostly_on_what_the_restore_brought_back_reads_nothi
     """The gate fires (a bar of 0) and names the restored message and an evicted one; the forced excess says which
     holds the question's pull."""
     s = _chat(engine, tmp_path, restore_messages=1, gate="0", gate_stat="sketch.max", copy_back="named",
-              gate_trusts_restore=trusts)
+              gate_trusts_restore=trusts, gate_defers_to_restore=False)
     locker, born = _index_of(s, FACTS[0]), _index_of(s, FACTS[2])
     ids = {m.index: m.id for m in s.store.messages(s.conversation_id)}
 
@@ -240,18 +241,34 @@ def test_a_firing_that_pulls_mostly_on_what_the_restore_brought_back_reads_nothi
 @pytest.mark.parametrize("defers", [True, False])
 def test_the_gate_leaves_a_restoring_turn_to_the_restore_only_when_it_defers(engine: Engine, tmp_path: Path,
                                                                              defers: bool) -> None:
-    """A bar of 0: the gate reaches it on every turn. Deferring, a turn whose restore brought a message back re-reads
-    nothing and says the gate deferred; a turn whose rank found nothing (no shared word) still fires."""
+    """A bar of 0: the gate reaches it on every turn, and names messages (``copy_back`` "named"). Deferring, a turn
+    whose restore brought a message back re-reads nothing and says the gate deferred; a turn whose rank found nothing
+    (no shared word) still fires."""
     s = _chat(engine, tmp_path, restore_messages=1, gate="0", gate_stat="sketch.max", copy_back="named",
               gate_defers_to_restore=defers)
-    result = s.send("What is my locker code?")
+    events: list[ev.Event] = []
+    result = s.send("What is my locker code?", on_event=events.append)
     assert result.restore_indices == [_index_of(s, FACTS[0])]
     assert result.gate_deferred is defers and result.gate_fired is not defers
+    deferred = [e for e in events if isinstance(e, ev.GateDeferred)]
+    fired_events = any(isinstance(e, ev.GateFired) for e in events)
+    assert len(deferred) == int(defers) and fired_events is not defers
     if defers:
         assert result.reread_path == "" and result.reprefill_tokens == 0
+        assert deferred[0].phase == "question" and deferred[0].threshold == 0.0
         assert s.store.turns(s.conversation_id)[-1].extra["gate_deferred"] is True, "logged"
     result = s.send("Are you sure about that?")
     assert result.restore_indices == [] and result.gate_fired and not result.gate_deferred, "nothing came back"
+
+
+def test_a_deferring_gate_still_copies_the_whole_history_back(engine: Engine, tmp_path: Path) -> None:
+    """Deferring leaves to the restore only the firings that would name messages: one that copies every evicted token
+    back fires as ever, on a turn whose restore brought a message back."""
+    s = _chat(engine, tmp_path, restore_messages=1, gate="0", gate_stat="sketch.max", copy_back="all",
+              gate_defers_to_restore=True)
+    result = s.send("What is my locker code?")
+    assert result.restore_indices == [_index_of(s, FACTS[0])]
+    assert result.gate_fired and not result.gate_deferred and result.reread_path == "copied"
 
 
 def test_a_restoring_turn_reads_its_unbiased_readout_as_it_is(engine: Engine, tmp_path: Path,

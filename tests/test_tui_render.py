@@ -112,6 +112,12 @@ def test_restore_note_names_the_nearest_message_and_counts_the_rest() -> None:
     assert "your turn 4 ('x') and 2 more messages (131 tokens)" in three and "turn 9" not in three
 
 
+def test_a_deferred_gate_says_its_reading_and_that_the_restore_answers() -> None:
+    note = render.deferred_note(ev.GateDeferred("question", 3.21, 2.5))
+    assert note == f"{render.RESTORE_MARK} certificate 3.21 ≥ τ 2.5; the restored messages answer"
+    assert "bar was reached" in render.deferred_note(ev.GateDeferred("question", None, None))
+
+
 def test_keymap_accepts_known_ids_and_reports_unknown_ones() -> None:
     good, problems = bindings.keymap({"new_chat": "ctrl+k", "toggle_memory": "f4, ctrl+t", "nope": "x"})
     assert good == {"new_chat": "ctrl+k", "toggle_memory": "f4,ctrl+t"}

@@ -47,6 +47,11 @@ def restore_note(event: ev.Restored) -> str:
     return f"{RESTORE_MARK} {ev.restored_words(event)} before answering"
 
 
+def deferred_note(event: ev.GateDeferred) -> str:
+    """The line a gate that left the turn to its restore leaves in the chat."""
+    return f"{RESTORE_MARK} {ev.deferred_words(event)}"
+
+
 def logged_gate_note(tokens: int | None) -> str:
     """The same line for a logged turn (the log keeps the count, not the phase)."""
     return f"{GATE_MARK} {ev.reread_words(tokens)}"

@@ -102,8 +102,8 @@ class Turn:
     restored_tokens: int = 0
     gate_fired: bool = False
     gate_deferred: bool = False
-    """The gate reached its bar on a turn whose restore had brought messages back, and left the answer to them
-    (config ``gate_defers_to_restore``)."""
+    """The gate reached its bar on a turn whose restore had brought messages back and, where it would have named
+    messages to re-read, left the answer to the restored ones (config ``gate_defers_to_restore``)."""
     reread_path: str = ""
     """How the gate's re-read ran: "copied" (every evicted token back from the engine's evicted rows), "targeted"
     (the implicated messages), "full" (the whole history re-prefilled) or ""."""
@@ -558,22 +558,22 @@ class ChatSession:
             on_event(ev.CertificateRead("question", decision.value, decision.threshold))
         if not decision.fire:
             return
-        if self._defers(turn):
-            turn.gate_deferred = True
-            return
         try:
             with turn.clock("reprefill"):
                 self._reread(turn, decision, "question", on_event, cancel)
         except InterruptedError:
             self._abandon(turn, "reprefill")
             raise
+        if turn.gate_deferred:
+            return
         if self.config.evict_at == "turn-end" and turn.reread_path not in ("copied", "restored"):
             # the re-read ends with this message: its window's attention scores the turn-end eviction (after a
             # copied re-read the cells that stay are those the first prefill's attention already scored)
             self.memory.read_importance()
 
     def _defers(self, turn: Turn) -> bool:
-        """The gate leaves this turn to its restore (config ``gate_defers_to_restore``, and messages came back)."""
+        """A firing that would name messages leaves this turn to its restore (config ``gate_defers_to_restore``, and
+        messages came back)."""
         return self.config.gate_defers_to_restore and bool(turn.restore_indices)
 
     def _generate(self, turn: Turn, on_event: EventSink,
@@ -598,9 +598,6 @@ class ChatSession:
             def step_hook(step: int) -> bool:
                 decision = self.gate.step_decision(self.engine)
                 if allow_gate and decision.fire:
-                    if self._defers(turn):
-                        turn.gate_deferred = True
-                        return True
                     breach.append(decision)
                     return False
                 return True
@@ -719,6 +716,11 @@ class ChatSession:
             copied = self._plan_copied(logged, decision) if self.config.copy_back != "named" else None
             if copied is not None:
                 self._reread_copied(turn, decision, copied, on_event, cancel)
+                return
+            if self._defers(turn):
+                # a named re-read would second-guess the restore's rank with the question's attention
+                turn.gate_deferred = True
+                on_event(ev.GateDeferred("question", decision.value, decision.threshold))
                 return
             target, why_full = self.gate.plan_targeted(decision, logged, self.engine, self.engine.free_cells())
             if target is not None and not target.indices:

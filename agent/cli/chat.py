@@ -63,6 +63,8 @@ def _print_event(event: ev.Event) -> None:
         print(f"\n[gate: {why} — {ev.gate_words(event)}]", file=sys.stderr)
     elif isinstance(event, ev.Restored):
         print(f"\n[restore: {ev.restored_words(event)}]", file=sys.stderr)
+    elif isinstance(event, ev.GateDeferred):
+        print(f"\n[gate: {ev.deferred_words(event)}]", file=sys.stderr)
     elif isinstance(event, ev.Regenerating):
         print("\n[answer discarded after a mid-answer gate breach; answering again from the full history]",
               file=sys.stderr)

@@ -125,6 +125,10 @@ class ChatScreen(Screen[None]):
             self.memory.note_restore(item)
             if self._answer is not None:
                 await self._move_answer_last()
+        elif isinstance(item, ev.GateDeferred):
+            await self.chat.add_notice(render.deferred_note(item), kind="restore")
+            if self._answer is not None:
+                await self._move_answer_last()
         elif isinstance(item, ev.Regenerating):
             if self._answer is not None:
                 await self._answer.restart()
