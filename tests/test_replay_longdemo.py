@@ -200,3 +200,16 @@ def test_lockstep_takes_turns_and_changes_nothing_a_job_records(small_model: Pat
     assert len(first) == len(second) == len(s.steps)
     for k in range(len(first) - 1):
         assert max(first[k], second[k]) < min(first[k + 1], second[k + 1])
+
+
+def test_the_time_bar_turn_by_turn_pairs_each_turn_with_the_same_turn_of_full_and_ungated() -> None:
+    """Each turn less ungated's and a tenth of full's on the same script's turn; scripts without all three, or of
+    another length, are left out."""
+    full = {"turn_walls": {("a", 0): [2.0, 4.0], ("b", 0): [1.0]}}
+    ungated = {"turn_walls": {("a", 0): [1.0, 1.0], ("b", 0): [1.0]}}
+    gated = {"turn_walls": {("a", 0): [1.3, 1.7], ("b", 0): [9.0, 9.0], ("c", 0): [1.0, 1.0]}}
+    got = longdemo.time_bar_by_turn(full, ungated, gated)
+    assert got is not None
+    mean, lo, hi, n = got
+    assert n == 2 and mean == pytest.approx(0.2) and lo < 0.1 and hi > 0.3  # 1.3 - 1 - 0.2 and 1.7 - 1 - 0.4
+    assert longdemo.time_bar_by_turn(full, ungated, {"turn_walls": {("c", 0): [1.0, 1.0]}}) is None

@@ -322,6 +322,7 @@ def _column(members: list[dict[str, Any]]) -> dict[str, Any]:
     deltas = [max(r["rss_bytes"]) - r.get("rss_start_bytes", 0) for r in members if r.get("rss_bytes")]
     return {
         "n_probes": len(scored), "n_correct": sum(bool(p["correct"]) for p in scored), "answers": answers,
+        "turn_walls": {(r["script"], r["seed"]): list(r["turn_wall_s"]) for r in members if r.get("turn_wall_s")},
         "recall": _rate([bool(p["correct"]) for p in scored]),
         "recall_by_distance": {k: (sum(v), len(v)) for k, v in by_distance.items()},
         "recall_by_category": {k: (sum(v), len(v)) for k, v in by_category.items()},
@@ -385,6 +386,26 @@ def time_bar(full: dict[str, Any] | None, ungated: dict[str, Any] | None) -> flo
     return float(ungated["turn_s_mean"]) + TIME_BAR_SHARE * float(full["turn_s_mean"])
 
 
+def time_bar_by_turn(full: dict[str, Any], ungated: dict[str, Any], column: dict[str, Any]
+                     ) -> tuple[float, float, float, int] | None:
+    """``column``'s turns against the bar on the same turns: each turn's time less ungated eviction's and
+    :data:`TIME_BAR_SHARE` × the full cache's on that script's turn (the same seed, else seed 0), as (mean, 95% low,
+    95% high, turns). Meaningful where the runs took turns side by side (``--lockstep``); None without a pairing."""
+    diffs: list[float] = []
+    for (script, seed), walls in column.get("turn_walls", {}).items():
+        f = full.get("turn_walls", {}).get((script, seed)) or full.get("turn_walls", {}).get((script, 0))
+        u = ungated.get("turn_walls", {}).get((script, seed)) or ungated.get("turn_walls", {}).get((script, 0))
+        if f is None or u is None or not len(f) == len(u) == len(walls):
+            continue
+        diffs += [c - b - TIME_BAR_SHARE * a for a, b, c in zip(f, u, walls)]
+    if len(diffs) < 2:
+        return None
+    mean = sum(diffs) / len(diffs)
+    sd = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) ** 0.5
+    half = 1.96 * sd / len(diffs) ** 0.5
+    return mean, mean - half, mean + half, len(diffs)
+
+
 def _paired_words(full: dict[str, Any] | None, column: dict[str, Any]) -> tuple[str, str]:
     got = paired(full, column) if full is not None and not _is_full(column["policy"]) else None
     if got is None:
@@ -394,12 +415,25 @@ def _paired_words(full: dict[str, Any] | None, column: dict[str, Any]) -> tuple[
             f"{d:+.2f} [{lo:+.2f}, {hi:+.2f}] (n={got['n']})")
 
 
+def _ungated(cols: list[dict[str, Any]], column: dict[str, Any]) -> dict[str, Any] | None:
+    return next((c for c in cols if c["policy"].split("@")[0] == "poisson" and c["budget"] == column["budget"]), None)
+
+
+def _bar_by_turn_words(cols: list[dict[str, Any]], full: dict[str, Any] | None, column: dict[str, Any]) -> str:
+    ungated = _ungated(cols, column)
+    if column["policy"].split("@")[0] != "poisson+gate" or full is None or ungated is None:
+        return "—"
+    got = time_bar_by_turn(full, ungated, column)
+    if got is None:
+        return "—"
+    mean, lo, hi, n = got
+    return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}] s (n={n})"
+
+
 def _bar_words(cols: list[dict[str, Any]], full: dict[str, Any] | None, column: dict[str, Any]) -> str:
     if column["policy"].split("@")[0] != "poisson+gate":
         return "—"
-    ungated = next((c for c in cols if c["policy"].split("@")[0] == "poisson" and c["budget"] == column["budget"]),
-                   None)
-    bar = time_bar(full, ungated)
+    bar = time_bar(full, _ungated(cols, column))
     if bar is None or column["turn_s_mean"] is None:
         return "—"
     return f"{column['turn_s_mean']:.2f} against {bar:.2f} s: {'met' if column['turn_s_mean'] <= bar else 'not met'}"
@@ -458,6 +492,8 @@ def table(doc: dict[str, Any], footer: bool = True) -> str:
         ("tokens restored from host memory", [_num(c["restored_tokens"]) for c in cols]),
         ("turn time, mean / p95 (s)", [f"{_num(c['turn_s_mean'], 2)} / {_num(c['turn_s_p95'], 2)}" for c in cols]),
         (f"mean turn time against ungated + {TIME_BAR_SHARE:.2f} × full", [_bar_words(cols, full, c) for c in cols]),
+        ("the same bar turn by turn: mean over it [95% CI] (lockstep runs)",
+         [_bar_by_turn_words(cols, full, c) for c in cols]),
         ("turn time vs full (mean)", [_num(c["turn_s_mean"] / full["turn_s_mean"], 2, "×")
                                       if full and full["turn_s_mean"] and c["turn_s_mean"] else "—" for c in cols]),
         ("probe turn time, mean (s)", [_num(c["probe_turn_s_mean"], 2) for c in cols]),
@@ -530,7 +566,7 @@ def by_script_table(doc: dict[str, Any]) -> str:
 def json_line(doc: dict[str, Any]) -> str:
     cols = rows(doc)
     full = next((c for c in cols if _is_full(c["policy"])), None)
-    out = [{**{k: v for k, v in c.items() if k != "answers"},
+    out = [{**{k: v for k, v in c.items() if k not in ("answers", "turn_walls")},
             "paired_with_full": paired(full, c) if full is not None and c is not full else None} for c in cols]
     return json.dumps({"columns": out}, ensure_ascii=False)
 
