@@ -161,14 +161,12 @@ class GateDeferred:
     re-read."""
 
     phase: str
-    value: float | None
-    threshold: float | None
+    value: float
+    threshold: float
 
 
 def deferred_words(event: GateDeferred) -> str:
     """Why nothing more was re-read, in the words the chat and the CLI show."""
-    if event.value is None or event.threshold is None:
-        return "the gate's bar was reached; the restored messages answer"
     return f"certificate {event.value:.3g} ≥ τ {event.threshold:.3g}; the restored messages answer"
 
 

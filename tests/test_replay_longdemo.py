@@ -17,6 +17,7 @@ from agent.config import Config
 from agent.gate.certification import Certification, Trial
 from agent.lab import cli_replay
 from agent.lab.replay import aggregate, longchat, longdemo
+from agent.lab.replay.script import Script
 from memory_store.store import Store
 
 HAVE_LOCOMO = bool(sorted(longchat.SHARED_LOCOMO.glob("*.json")))
@@ -30,6 +31,16 @@ def _cli(argv: list[str]) -> int:
     return args.func(args)
 
 
+def _long_script(model: Path, tmp_path: Path, seed: int, tokens: int) -> tuple[Script, Path]:
+    """A generated long-chat script of about ``tokens`` tokens with two probes, saved under ``tmp_path``."""
+    counter = longchat.TokenCounter(model)
+    try:
+        s = longchat.generate(seed, tokens, counter, probes=2)
+    finally:
+        counter.close()
+    return s, longchat.save(s, tmp_path / "scripts", "smollm2-135m")
+
+
 @pytest.mark.slow  # about 45 s of CPU: four small jobs' worth of turns on smollm2
 @pytest.mark.skipif(not HAVE_LOCOMO, reason="the shared LoCoMo data is not on this machine")
 def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: Path,
@@ -38,12 +49,7 @@ def test_demo_long_runs_side_by_side_and_rerenders(small_model: Path, tmp_path: 
     # poisson+gate under the calibrated gate evicts (else: the full cache), at the budget the record certifies for
     # the default risk (else: the full cache only)
     calibrated_for("smollm2-135m", certification=Certification((Trial("50%", 100, 0), Trial("25%", 99, 1))).to_json())
-    counter = longchat.TokenCounter(small_model)
-    try:
-        s = longchat.generate(5, 700, counter, probes=2)
-    finally:
-        counter.close()
-    path = longchat.save(s, tmp_path / "scripts", "smollm2-135m")
+    s, path = _long_script(small_model, tmp_path, seed=5, tokens=700)
     out = tmp_path / "run"
     assert _cli(["demo", "long", "--script", str(path), "--policy", "full,poisson+gate", "--model", "smollm2-135m",
                  "--threads", "1", "--max-tokens", "4", "--no-progress", "--json", "--score-replies",
@@ -163,12 +169,7 @@ def test_lockstep_takes_turns_and_changes_nothing_a_job_records(small_model: Pat
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """Each job of a lockstep group has an engine of its own: its records equal those of the same job run alone,
     and the log shows the jobs' turns interleaved, one turn of each in turn."""
-    counter = longchat.TokenCounter(small_model)
-    try:
-        s = longchat.generate(7, 600, counter, probes=2)
-    finally:
-        counter.close()
-    path = longchat.save(s, tmp_path / "scripts", "smollm2-135m")
+    s, path = _long_script(small_model, tmp_path, seed=7, tokens=600)
     docs = {}
     for mode in ("alone", "lockstep"):
         out = tmp_path / mode

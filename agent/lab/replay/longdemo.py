@@ -199,8 +199,6 @@ def _run_lockstep(group: list[Job], by_name: dict[str, Script], n_jobs: int, run
             for k in range(len(group)):
                 i = (turn + k) % len(group)
                 timings[i].turn(job_runs[i].advance(), progress and k == len(group) - 1, log)
-        for job_run in job_runs:
-            job_run.close()
         for timing, job_run in zip(timings, job_runs):
             finished(timing, job_run.result(interleaved=True))
     finally:
